@@ -1,0 +1,102 @@
+"""Loading Hugging Face causal LMs by hub id or local path, or building them from a config with random weights."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelSpec:
+    """Where a causal LM comes from; built by Hydra from `conf/models/<pair>.yaml`.
+
+    Attributes:
+        pretrained_model_name_or_path: hub id or local directory (a previous stage's export); None builds from `config`.
+        config: keyword arguments for `AutoConfig.for_model` (must hold `model_type`) when no checkpoint is given.
+        dtype: weights dtype: float32, bfloat16 or float16.
+        trust_remote_code: run the repository's own modelling code; off unless the user turns it on.
+        revision: hub revision (branch, tag or commit) for reproducible downloads.
+        seed: seed for random initialisation when built from `config`.
+    """
+
+    pretrained_model_name_or_path: str | None = None
+    config: dict[str, Any] | None = field(default=None)
+    dtype: str = "float32"
+    trust_remote_code: bool = False
+    revision: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {sorted(_DTYPES)}.")
+        if self.pretrained_model_name_or_path is None and not self.config:
+            raise ValueError(
+                "A model needs either pretrained_model_name_or_path (hub id or local directory) or a config "
+                "with model_type to build it with random weights."
+            )
+        if self.pretrained_model_name_or_path is not None:
+            self.pretrained_model_name_or_path = str(self.pretrained_model_name_or_path)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def is_pretrained(self) -> bool:
+        return self.pretrained_model_name_or_path is not None
+
+
+def load_model(spec: ModelSpec, vocab_size: int | None = None) -> PreTrainedModel:
+    """Load (or build) the causal LM described by `spec`.
+
+    Args:
+        spec: where the model comes from.
+        vocab_size: the tokenizer's vocabulary size; a model built from a config gets it when its config has none.
+    """
+    if spec.is_pretrained:
+        path = spec.pretrained_model_name_or_path
+        local = Path(path).expanduser()
+        if (path.startswith((".", "/", "~")) or local.exists()) and not (local / "config.json").is_file():
+            raise FileNotFoundError(
+                f"No Hugging Face model at {local}: expected a directory with config.json (a hub id or the "
+                "export directory of an earlier stage, e.g. <run_dir>/export)."
+            )
+        log.info("loading %s (revision=%s, dtype=%s)", path, spec.revision, spec.dtype)
+        return AutoModelForCausalLM.from_pretrained(
+            str(local) if local.exists() else path,
+            revision=spec.revision,
+            dtype=spec.torch_dtype,
+            trust_remote_code=spec.trust_remote_code,
+            use_safetensors=True,
+        )
+    kwargs = dict(spec.config)
+    model_type = kwargs.pop("model_type", None)
+    if model_type is None:
+        raise ValueError("A model config needs model_type (e.g. gpt_neox, llama) to be built with random weights.")
+    if vocab_size is not None and kwargs.get("vocab_size") is None:
+        kwargs["vocab_size"] = vocab_size
+    config = AutoConfig.for_model(model_type, **kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=spec.torch_dtype)
+    return model
+
+
+def freeze(model: torch.nn.Module) -> torch.nn.Module:
+    """Put a frozen model (target, reference) in eval mode without gradients."""
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
