@@ -1,0 +1,126 @@
+"""Pieces every stage shares: tokenizer and models with vocabulary checks, data module, trainer, results."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from specdistill.models import ModelSpec, check_model_covers_vocab, check_same_tokenizer, load_model
+from specdistill.models.tokenizer import ensure_pad_token, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def stage_dir(cfg: DictConfig, name: str) -> Path:
+    """The directory a stage writes into: the Hydra run directory, or a sub-directory per stage in a pipeline."""
+    root = Path(cfg.paths.output_dir)
+    out = root / name if cfg.get("stage", {}).get("name") == "pipeline" else root
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def model_spec(node: DictConfig | ModelSpec) -> ModelSpec:
+    return node if isinstance(node, ModelSpec) else instantiate(node)
+
+
+def shared_tokenizer(cfg: DictConfig, specs: dict[str, ModelSpec]) -> PreTrainedTokenizerBase:
+    """The pair's tokenizer, checked against the tokenizer of every pretrained model in `specs`.
+
+    Models built from a config take the shared tokenizer; a pretrained model (hub id or an earlier export) brings its
+    own tokenizer, which must map the same strings to the same ids.
+    """
+    tokenizer = ensure_pad_token(instantiate(cfg.models.tokenizer))
+    tokenizers = {"models.tokenizer": tokenizer}
+    for role, spec in specs.items():
+        if spec.is_pretrained:
+            tokenizers[role] = load_tokenizer(
+                spec.pretrained_model_name_or_path, spec.revision, spec.trust_remote_code
+            )
+    check_same_tokenizer(tokenizers)
+    return tokenizer
+
+
+def load_models(
+    cfg: DictConfig, specs: dict[str, ModelSpec]
+) -> tuple[PreTrainedTokenizerBase, dict[str, PreTrainedModel], int]:
+    """Load the tokenizer and each model once; return `(tokenizer, models, real_vocab_size)`."""
+    tokenizer = shared_tokenizer(cfg, specs)
+    vocab_size = len(tokenizer)
+    models = {}
+    for role, spec in specs.items():
+        model = load_model(spec, vocab_size=vocab_size)
+        check_model_covers_vocab(role, model, vocab_size)
+        models[role] = model
+    return tokenizer, models, vocab_size
+
+
+def build_datamodule(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, settings: DictConfig):
+    from specdistill.data.datamodule import TaskDataModule
+
+    task = instantiate(cfg.task)
+    return TaskDataModule(
+        task=task,
+        tokenizer=tokenizer,
+        max_length=settings.max_length,
+        batch_size=settings.batch_size,
+        eval_batch_size=settings.get("eval_batch_size") or settings.batch_size,
+        accumulate_grad_batches=settings.accumulate_grad_batches,
+        seed=cfg.seed,
+    )
+
+
+def build_trainer(
+    cfg: DictConfig, out_dir: Path, settings: DictConfig, callbacks: list[L.Callback] | None = None
+) -> L.Trainer:
+    """A Lightning Trainer from `conf/trainer`, writing logs and checkpoints under `out_dir`."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    logger = instantiate(cfg.logger, save_dir=str(out_dir)) if cfg.get("logger") else False
+    checkpoint = ModelCheckpoint(dirpath=out_dir / "checkpoints", save_last=True, save_top_k=0)
+    return instantiate(
+        cfg.trainer,
+        default_root_dir=str(out_dir),
+        logger=logger,
+        callbacks=[checkpoint, *(callbacks or [])],
+        max_epochs=settings.max_epochs,
+        max_steps=settings.max_steps,
+        accumulate_grad_batches=settings.accumulate_grad_batches,
+        val_check_interval=settings.get("val_check_interval"),
+        limit_val_batches=settings.get("limit_val_batches"),
+    )
+
+
+def fit(trainer: L.Trainer, module: L.LightningModule, datamodule: L.LightningDataModule) -> None:
+    """Fit, resuming from `<out_dir>/checkpoints/last.ckpt` when a previous run left one."""
+    last = Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
+    ckpt_path = str(last) if last.is_file() else None
+    if ckpt_path:
+        log.info("resuming from %s", ckpt_path)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+
+
+def logged_metrics(trainer: L.Trainer, names: list[str]) -> dict[str, float]:
+    metrics = trainer.callback_metrics
+    return {name: float(metrics[name]) for name in names if name in metrics}
+
+
+def write_result(out_dir: Path, result: dict[str, Any]) -> dict[str, Any]:
+    (out_dir / "result.json").write_text(json.dumps(result, indent=2, default=str))
+    return result
+
+
+def resolved(cfg: DictConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+
+
+def seed_everything(cfg: DictConfig) -> None:
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    torch.set_float32_matmul_precision("high")

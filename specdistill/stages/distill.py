@@ -1,0 +1,53 @@
+"""Stage `distill`: DistillSpec-style distillation of the draft on all answer tokens; its export is the reference."""
+
+from __future__ import annotations
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from specdistill.export.hf import export_pretrained
+from specdistill.modules.distill import DistillModule
+from specdistill.stages.common import (
+    build_datamodule,
+    build_trainer,
+    fit,
+    load_models,
+    logged_metrics,
+    model_spec,
+    seed_everything,
+    stage_dir,
+    write_result,
+)
+
+VAL_METRICS = ["val/kl", "val/expected_acceptance"]
+
+
+def run(cfg: DictConfig) -> dict:
+    settings = cfg.distill
+    out_dir = stage_dir(cfg, "distill")
+    seed_everything(cfg)
+    specs = {"target": model_spec(cfg.models.target), "draft": model_spec(cfg.models.draft)}
+    tokenizer, models, vocab_size = load_models(cfg, specs)
+    datamodule = build_datamodule(cfg, tokenizer, settings)
+    module = DistillModule(
+        draft=models["draft"],
+        target=models["target"],
+        vocab_size=vocab_size,
+        divergence=instantiate(cfg.divergence),
+        optimizer=instantiate(cfg.optimizer, lr=settings.lr),
+        scheduler=instantiate(cfg.scheduler),
+        accumulate_grad_batches=settings.accumulate_grad_batches,
+    )
+    trainer = build_trainer(cfg, out_dir, settings)
+    before = {f"{k}_before": v for k, v in validate(trainer, module, datamodule).items()}
+    fit(trainer, module, datamodule)
+    after = validate(trainer, module, datamodule)
+    export = export_pretrained(
+        module.draft, tokenizer, out_dir / "export", {"stage": "distill", "task": cfg.task.name, **after}
+    )
+    return write_result(out_dir, {"stage": "distill", **before, **after, "export": str(export)})
+
+
+def validate(trainer, module, datamodule) -> dict[str, float]:
+    trainer.validate(module, datamodule=datamodule, verbose=False)
+    return logged_metrics(trainer, VAL_METRICS)
