@@ -1,0 +1,1 @@
+"""Lossless speculative decoding: sampling warpers, the engine, draft-length policies and statistics."""
