@@ -1,0 +1,163 @@
+"""SpecDec++ draft-length policy: stop drafting once the acceptance head predicts a likely rejection.
+
+Within a round the policy keeps `P_acc`, the product of the head's predicted acceptance over the candidates scored
+so far, and stops as soon as `1 - P_acc > threshold` (METHODS.md section 4), within `[min_draft_length,
+max_draft_length]`; the engine also stops at EOS and at its own bounds.
+
+Which candidates are scored depends on `score_newest`:
+
+- `False` (the public SpecDec++ code; engine `feed_newest = False`): a candidate is scored once it has been fed back
+  to the draft, so at step `index` the hidden state belongs to candidate `index - 1` and the newest candidate is
+  unscored. At index 1 the hidden state belongs to the last accepted token, which is no candidate and is not scored.
+- `True` (engine `feed_newest = True`): the engine feeds the newest candidate first and the head scores it, so the
+  decision at step `index` covers candidates `1..index`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from specdistill.decoding.policies import DraftPolicy, DraftStep
+from specdistill.models.acceptance_head import AcceptanceHead
+
+
+def _check_bounds(threshold: float, min_draft_length: int, max_draft_length: int) -> None:
+    if not 0.0 <= threshold < 1.0:
+        raise ValueError(f"threshold={threshold} must be in [0, 1) (SpecDec++ uses 0.3, 0.5 or 0.7).")
+    if min_draft_length < 1 or max_draft_length < min_draft_length:
+        raise ValueError(
+            f"need 1 <= min_draft_length <= max_draft_length, got {min_draft_length} and {max_draft_length}."
+        )
+
+
+def head_should_stop(
+    acceptance_product: float,
+    num_drafted: int,
+    threshold: float,
+    min_draft_length: int,
+    max_draft_length: int,
+) -> bool:
+    """The SpecDec++ stopping rule after `num_drafted` candidates.
+
+    Args:
+        acceptance_product: `P_acc`, product of predicted acceptance of the candidates scored so far (1 if none).
+        num_drafted: candidates drafted so far in the round.
+        threshold: `h`; stop when the predicted probability of at least one rejection `1 - P_acc` exceeds it.
+        min_draft_length: never stop before this many candidates.
+        max_draft_length: always stop at this many candidates.
+    """
+    if num_drafted >= max_draft_length:
+        return True
+    if num_drafted < min_draft_length:
+        return False
+    return 1.0 - acceptance_product > threshold
+
+
+def simulate_draft_length(
+    acceptance_probs: Sequence[float],
+    threshold: float,
+    min_draft_length: int = 2,
+    max_draft_length: int = 20,
+    score_newest: bool = False,
+) -> int:
+    """Number of candidates the policy drafts when candidate i would get predicted acceptance `acceptance_probs[i-1]`.
+
+    Offline twin of `AcceptanceHeadPolicy` (same rule, same scoring offset), used to test and to reason about it.
+    `acceptance_probs` must cover every candidate that may be scored (at least `max_draft_length` values, or fewer
+    if the rule stops earlier).
+    """
+    _check_bounds(threshold, min_draft_length, max_draft_length)
+    product = 1.0
+    for index in range(1, max_draft_length + 1):
+        scored = index if score_newest else index - 1
+        if scored >= 1:
+            if scored > len(acceptance_probs):
+                raise ValueError(
+                    f"acceptance_probs has {len(acceptance_probs)} values; candidate {scored} needs one."
+                )
+            product *= float(acceptance_probs[scored - 1])
+        if head_should_stop(product, index, threshold, min_draft_length, max_draft_length):
+            return index
+    return max_draft_length
+
+
+class AcceptanceHeadPolicy(DraftPolicy):
+    """Stops drafting when the acceptance head predicts that at least one candidate of the round is rejected.
+
+    Args:
+        head: trained `AcceptanceHead` for this draft (moved to the draft's device and dtype by the caller, or lazily
+            to the hidden state's device on first use).
+        threshold: `h` in the stopping rule `1 - P_acc > h`.
+        min_draft_length: fewest candidates per round (the public code drafts at least 2).
+        max_draft_length: most candidates per round (20 in SpecDec++).
+        score_newest: score the newest candidate (engine feeds it first) instead of the public code's one-behind
+            scoring; see the module docstring.
+
+    The engine-facing `min_draft_length` attribute is 1 whatever the argument: the policy must see *every* candidate's
+    hidden state to keep `P_acc` exact, so it is asked after each candidate and enforces the minimum itself
+    (`stop_min_length`). This gives the same draft lengths as an engine that would skip the early calls.
+    """
+
+    needs_hidden_states = True
+    min_draft_length = 1
+
+    def __init__(
+        self,
+        head: AcceptanceHead,
+        threshold: float = 0.5,
+        min_draft_length: int = 2,
+        max_draft_length: int = 20,
+        score_newest: bool = False,
+    ) -> None:
+        _check_bounds(threshold, min_draft_length, max_draft_length)
+        self.head = head.eval().requires_grad_(False)
+        self.threshold = float(threshold)
+        self.stop_min_length = int(min_draft_length)
+        self.max_draft_length = int(max_draft_length)
+        self.score_newest = bool(score_newest)
+        self.feed_newest = self.score_newest
+        self.acceptance_product = 1.0
+        self.scored_probs: list[float] = []
+
+    def reset(self) -> None:
+        self.begin_round()
+
+    def begin_round(self) -> None:
+        self.acceptance_product = 1.0
+        self.scored_probs = []
+
+    @torch.no_grad()
+    def should_stop(self, step: DraftStep) -> bool:
+        # Without score_newest the state at index 1 belongs to the last accepted token: not a candidate.
+        scores_a_candidate = self.score_newest or step.index >= 2
+        if scores_a_candidate:
+            if step.hidden is None:
+                raise ValueError(
+                    "AcceptanceHeadPolicy needs step.hidden (the draft's last hidden state): the engine must honour "
+                    "needs_hidden_states."
+                )
+            hidden = step.hidden
+            if self.head.out.weight.device != hidden.device:
+                self.head.to(hidden.device)
+            prob = float(self.head.acceptance_probability(hidden.reshape(-1)))
+            self.scored_probs.append(prob)
+            self.acceptance_product *= prob
+        return head_should_stop(
+            self.acceptance_product, step.index, self.threshold, self.stop_min_length, self.max_draft_length
+        )
+
+
+def load_head_policy(
+    head_dir: str | Path,
+    threshold: float = 0.5,
+    min_draft_length: int = 2,
+    max_draft_length: int = 20,
+    score_newest: bool = False,
+    device: torch.device | str = "cpu",
+) -> AcceptanceHeadPolicy:
+    """Build an `AcceptanceHeadPolicy` from a head directory written by `AcceptanceHead.save`."""
+    head = AcceptanceHead.load(head_dir, device=device)
+    return AcceptanceHeadPolicy(head, threshold, min_draft_length, max_draft_length, score_newest)

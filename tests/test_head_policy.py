@@ -1,0 +1,116 @@
+"""SpecDec++ stopping rule and the acceptance-head draft-length policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdistill.decoding.head_policy import (
+    AcceptanceHeadPolicy,
+    head_should_stop,
+    load_head_policy,
+    simulate_draft_length,
+)
+from specdistill.decoding.policies import DraftStep
+from specdistill.models.acceptance_head import AcceptanceHead
+
+
+def test_rule_stops_exactly_where_rejection_probability_first_exceeds_threshold():
+    # products with score_newest: 0.9, 0.72, 0.504, 0.3528 -> 1 - P: 0.1, 0.28, 0.496, 0.6472
+    probs = [0.9, 0.8, 0.7, 0.7, 0.99, 0.99]
+    assert simulate_draft_length(probs, 0.5, min_draft_length=1, score_newest=True) == 4
+    assert simulate_draft_length(probs, 0.25, min_draft_length=1, score_newest=True) == 2
+    assert simulate_draft_length(probs, 0.05, min_draft_length=1, score_newest=True) == 1
+    # one-behind scoring (public code): decision at index i covers candidates 1..i-1, so one more candidate
+    assert simulate_draft_length(probs, 0.5, min_draft_length=1, score_newest=False) == 5
+    assert simulate_draft_length(probs, 0.05, min_draft_length=1, score_newest=False) == 2
+
+
+def test_rule_is_strict_inequality():
+    assert not head_should_stop(0.5, 3, threshold=0.5, min_draft_length=1, max_draft_length=20)
+    assert head_should_stop(0.49, 3, threshold=0.5, min_draft_length=1, max_draft_length=20)
+
+
+def test_rule_respects_min_and_max():
+    low = [0.01] * 30
+    high = [1.0] * 30
+    assert simulate_draft_length(low, 0.5, min_draft_length=3, score_newest=True) == 3
+    assert simulate_draft_length(low, 0.5, min_draft_length=2, score_newest=False) == 2
+    assert simulate_draft_length(high, 0.5, min_draft_length=2, max_draft_length=7) == 7
+    assert not head_should_stop(0.0, 2, 0.5, min_draft_length=3, max_draft_length=20)
+    assert head_should_stop(1.0, 20, 0.5, min_draft_length=3, max_draft_length=20)
+    with pytest.raises(ValueError, match="min_draft_length"):
+        simulate_draft_length(low, 0.5, min_draft_length=5, max_draft_length=4)
+    with pytest.raises(ValueError, match="threshold"):
+        simulate_draft_length(low, 1.0)
+
+
+def _head_with_bias(hidden: int, bias: float) -> AcceptanceHead:
+    """A head whose prediction is sigmoid(bias + hidden[0]): easy to steer through the hidden state."""
+    head = AcceptanceHead(hidden, num_blocks=1)
+    with torch.no_grad():
+        head.out.weight.zero_()
+        head.out.weight[0, 0] = 1.0
+        head.out.bias.fill_(bias)
+    return head
+
+
+def _run_policy(policy: AcceptanceHeadPolicy, hidden_logits: list[float], hidden_size: int = 4) -> int:
+    """Feed the policy steps whose hidden state makes the head predict sigmoid(hidden_logits[index-1])."""
+    policy.begin_round()
+    for index in range(1, policy.max_draft_length + 1):
+        hidden = torch.zeros(hidden_size)
+        hidden[0] = hidden_logits[index - 1]
+        step = DraftStep(index=index, token=5, draft_probs=torch.full((8,), 1 / 8), hidden=hidden)
+        if index < policy.min_draft_length:
+            continue  # the engine does not ask before the policy's own engine-facing minimum
+        if policy.should_stop(step):
+            return index
+    return policy.max_draft_length
+
+
+@pytest.mark.parametrize("score_newest", [False, True])
+def test_policy_matches_offline_rule(score_newest):
+    torch.manual_seed(0)
+    hidden_logits = (torch.randn(20) * 2 + 2).tolist()
+    policy = AcceptanceHeadPolicy(
+        _head_with_bias(4, 0.0),
+        threshold=0.5,
+        min_draft_length=2,
+        max_draft_length=20,
+        score_newest=score_newest,
+    )
+    assert policy.needs_hidden_states and policy.feed_newest is score_newest
+    assert policy.min_draft_length == 1  # asked after every candidate so that P_acc covers all of them
+    length = _run_policy(policy, hidden_logits)
+    # the hidden state at index i: with score_newest it is candidate i's, else candidate (i-1)'s (index 1: no one's)
+    if score_newest:
+        cand_probs = torch.sigmoid(torch.tensor(hidden_logits)).tolist()
+    else:
+        cand_probs = torch.sigmoid(torch.tensor(hidden_logits[1:])).tolist()
+    expected = simulate_draft_length(cand_probs, 0.5, 2, 20, score_newest=score_newest)
+    assert length == expected
+    assert len(policy.scored_probs) == (length if score_newest else length - 1)
+
+
+def test_policy_does_not_score_last_accepted_token_and_resets_per_round():
+    # index 1 hidden would predict rejection (logit -10) but belongs to the last accepted token: ignored.
+    policy = AcceptanceHeadPolicy(
+        _head_with_bias(4, 0.0), threshold=0.5, min_draft_length=1, score_newest=False
+    )
+    assert _run_policy(policy, [-10.0] + [10.0] * 19) == 20
+    assert policy.scored_probs and min(policy.scored_probs) > 0.99
+    # with score_newest the same state is candidate 1's own: stop at once
+    newest = AcceptanceHeadPolicy(
+        _head_with_bias(4, 0.0), threshold=0.5, min_draft_length=1, score_newest=True
+    )
+    assert _run_policy(newest, [-10.0] + [10.0] * 19) == 1
+    assert _run_policy(newest, [10.0] * 20) == 20  # begin_round reset P_acc
+
+
+def test_policy_requires_hidden_state_and_loads_from_directory(tmp_path):
+    _head_with_bias(4, 1.0).save(tmp_path / "head")
+    policy = load_head_policy(tmp_path / "head", threshold=0.3, score_newest=True)
+    assert policy.threshold == 0.3 and policy.stop_min_length == 2 and policy.max_draft_length == 20
+    with pytest.raises(ValueError, match="hidden"):
+        policy.should_stop(DraftStep(index=1, token=0, draft_probs=torch.ones(4) / 4, hidden=None))
