@@ -106,3 +106,14 @@ class AcceptanceHead(nn.Module):
         head = cls(**config)
         head.load_state_dict(load_file(str(weights_path), device=str(device)), strict=True)
         return head.to(device)
+
+
+def draft_hidden_states(
+    draft: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The head's input: the draft's last hidden state after its final norm, `(B, T, H)`.
+
+    Runs the draft's base model (`model.base_model`), which equals `output_hidden_states=True`'s last entry without
+    computing the `(B, T, V)` logits. The state at position t is the one whose *input* token is `input_ids[:, t]`.
+    """
+    return draft.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state

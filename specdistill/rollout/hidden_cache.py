@@ -1,0 +1,115 @@
+"""Cache of the draft's hidden states at draft-token positions, so head training need not run the draft every epoch.
+
+The mixing of each example is drawn once (seeded by `(seed, prompt_index)`) and frozen into the cache: every epoch
+then sees the same mixed sequence Z, unlike uncached training, which redraws Z each epoch. Rows hold `prompt_index`,
+`hidden (n, H)` (the states whose input is a draft token, in order) and `head_labels (n,)`. Stored like rollouts, in
+resumable shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import datasets
+import torch
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from specdistill.models.acceptance_head import draft_hidden_states
+from specdistill.rollout.data import RolloutCollator
+from specdistill.rollout.storage import (
+    load_shards,
+    num_shards,
+    prepare_out_dir,
+    read_settings,
+    write_shard,
+)
+
+_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+
+
+@torch.no_grad()
+def build_hidden_cache(
+    draft: torch.nn.Module,
+    rollout_dir: str | Path,
+    out_dir: str | Path,
+    mixing_ratio: float = 0.15,
+    seed: int = 0,
+    batch_size: int = 8,
+    shard_size: int = 1024,
+    pad_token_id: int = 0,
+    dtype: str = "float16",
+) -> datasets.Dataset:
+    """Run the frozen draft once over every rollout's mixed sequence and store its hidden states.
+
+    Args:
+        draft: the frozen draft the head is trained for.
+        rollout_dir: output of `run_rollouts`.
+        out_dir: cache directory (resumable; must not be reused with other settings).
+        mixing_ratio: r of the mixed sequence.
+        seed: seed of the per-example mixing.
+        batch_size: rollouts per draft forward pass.
+        shard_size: rollouts per stored shard.
+        pad_token_id: padding id.
+        dtype: storage dtype of the hidden states: float16 or float32.
+    """
+    from specdistill.rollout.run import load_rollouts
+
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}.")
+    rollouts = load_rollouts(rollout_dir)
+    rollout_settings = read_settings(rollout_dir)
+    hidden_size = int(draft.config.hidden_size)
+    settings = {
+        "kind": "hidden_cache",
+        "num_prompts": len(rollouts),
+        "shard_size": shard_size,
+        "mixing_ratio": mixing_ratio,
+        "seed": seed,
+        "dtype": dtype,
+        "hidden_size": hidden_size,
+        "rollout_settings_sha256": hashlib.sha256(
+            repr(sorted(rollout_settings.items())).encode()
+        ).hexdigest(),
+    }
+    finished = set(prepare_out_dir(out_dir, settings))
+    features = datasets.Features(
+        {
+            "prompt_index": datasets.Value("int64"),
+            "hidden": datasets.Array2D(shape=(None, hidden_size), dtype=dtype),
+            "head_labels": datasets.Sequence(datasets.Value("float32")),
+        }
+    )
+    collate = RolloutCollator(pad_token_id, mixing_ratio, seed=seed)
+    device = next(draft.parameters()).device
+    draft.eval()
+    for shard in tqdm(range(num_shards(len(rollouts), shard_size)), desc="hidden cache", unit="shard"):
+        if shard in finished:
+            continue
+        rows = rollouts.select(range(shard * shard_size, min((shard + 1) * shard_size, len(rollouts))))
+        columns: dict[str, list] = {"prompt_index": [], "hidden": [], "head_labels": []}
+        for batch in DataLoader(rows, batch_size=batch_size, collate_fn=collate):
+            hidden = draft_hidden_states(
+                draft, batch["input_ids"].to(device), batch["attention_mask"].to(device)
+            ).float()
+            for i in range(len(batch["example_id"])):
+                keep = batch["loss_mask"][i].to(device)
+                columns["prompt_index"].append(int(batch["example_id"][i]))
+                columns["hidden"].append(hidden[i][keep].to(_DTYPES[dtype]).cpu().numpy())
+                columns["head_labels"].append(batch["head_labels"][i][batch["loss_mask"][i]].tolist())
+        write_shard(out_dir, shard, columns, features)
+    return load_hidden_cache(out_dir)
+
+
+def load_hidden_cache(out_dir: str | Path, expected_mixing_ratio: float | None = None) -> datasets.Dataset:
+    """The complete cache in prompt order; checks the mixing ratio if given."""
+    settings = read_settings(out_dir)
+    if settings.get("kind") != "hidden_cache":
+        raise ValueError(f"{out_dir} is not a hidden-state cache (built by build_hidden_cache).")
+    if expected_mixing_ratio is not None and settings["mixing_ratio"] != expected_mixing_ratio:
+        raise ValueError(
+            f"the hidden cache at {out_dir} was built with mixing_ratio={settings['mixing_ratio']}, not "
+            f"{expected_mixing_ratio}: rebuild it or use the same ratio."
+        )
+    return load_shards(out_dir)

@@ -1,0 +1,113 @@
+"""Rollout storage: a `datasets` dataset on disk, written in shards so an interrupted run resumes where it stopped.
+
+Layout of `out_dir`:
+
+    rollout_config.json        settings the rollouts were made with (checked again on resume)
+    shards/shard_00000/        one `Dataset.save_to_disk` per shard of `shard_size` prompts
+    shards/shard_00001/ ...
+
+A shard is written to a temporary directory and renamed into place, so a shard directory exists only once it is
+complete; leftovers of an interrupted write are removed on resume.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+SETTINGS_NAME = "rollout_config.json"
+SHARDS_DIR = "shards"
+_TMP_PREFIX = ".tmp_"
+
+
+def shard_path(out_dir: str | Path, index: int) -> Path:
+    return Path(out_dir) / SHARDS_DIR / f"shard_{index:05d}"
+
+
+def num_shards(num_examples: int, shard_size: int) -> int:
+    return math.ceil(num_examples / shard_size)
+
+
+def prepare_out_dir(out_dir: str | Path, settings: dict[str, Any]) -> list[int]:
+    """Create `out_dir` or check it was started with the same settings; return the indices of finished shards.
+
+    Raises:
+        ValueError: if `out_dir` holds rollouts made with other settings (resuming would mix two datasets).
+    """
+    out_dir = Path(out_dir)
+    settings_path = out_dir / SETTINGS_NAME
+    if settings_path.is_file():
+        previous = json.loads(settings_path.read_text())
+        changed = sorted(k for k in settings.keys() | previous.keys() if settings.get(k) != previous.get(k))
+        if changed:
+            raise ValueError(
+                f"{out_dir} holds rollouts made with other settings (differing: {', '.join(changed)}). "
+                "Use a new output directory, or delete this one to start over."
+            )
+    else:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        _atomic_write_text(settings_path, json.dumps(settings, indent=2, sort_keys=True) + "\n")
+    shards = out_dir / SHARDS_DIR
+    shards.mkdir(exist_ok=True)
+    for leftover in shards.glob(f"{_TMP_PREFIX}*"):
+        shutil.rmtree(leftover)
+    expected = num_shards(settings["num_prompts"], settings["shard_size"])
+    return [i for i in range(expected) if shard_path(out_dir, i).is_dir()]
+
+
+def write_shard(
+    out_dir: str | Path, index: int, columns: dict[str, list], features: datasets.Features
+) -> Path:
+    """Save one shard atomically (temporary directory, then rename)."""
+    final = shard_path(out_dir, index)
+    tmp = final.parent / f"{_TMP_PREFIX}{final.name}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    datasets.Dataset.from_dict(columns, features=features).save_to_disk(str(tmp))
+    os.replace(tmp, final)
+    return final
+
+
+def read_settings(out_dir: str | Path) -> dict[str, Any]:
+    path = Path(out_dir) / SETTINGS_NAME
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"No rollouts at {out_dir}: {SETTINGS_NAME} is missing (run the rollout stage first)."
+        )
+    return json.loads(path.read_text())
+
+
+def load_shards(out_dir: str | Path, allow_incomplete: bool = False) -> datasets.Dataset:
+    """Concatenate the shards in order, checking that none is missing (unless `allow_incomplete`)."""
+    settings = read_settings(out_dir)
+    expected = num_shards(settings["num_prompts"], settings["shard_size"])
+    present = [i for i in range(expected) if shard_path(out_dir, i).is_dir()]
+    if not allow_incomplete and len(present) != expected:
+        missing = sorted(set(range(expected)) - set(present))
+        raise ValueError(
+            f"{out_dir} is incomplete: {len(missing)} of {expected} shards missing (first: {missing[0]}). "
+            "Run the same rollout command again to resume."
+        )
+    if not present:
+        raise ValueError(f"{out_dir} holds no finished shard yet.")
+    parts = [datasets.load_from_disk(str(shard_path(out_dir, i))) for i in present]
+    dataset = datasets.concatenate_datasets(parts)
+    if not allow_incomplete and list(dataset.with_format(None)["prompt_index"]) != list(
+        range(settings["num_prompts"])
+    ):
+        raise ValueError(
+            f"{out_dir} is corrupt: prompt_index is not 0..{settings['num_prompts'] - 1} in order."
+        )
+    return dataset
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{_TMP_PREFIX}{path.name}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
