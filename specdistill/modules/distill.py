@@ -14,6 +14,7 @@ import torch
 from lightning import LightningModule
 from torch import nn
 
+from specdistill.losses.answers import answer_logits, answer_mask
 from specdistill.losses.divergence import Divergence, expected_acceptance, forward_kl
 from specdistill.losses.reduction import reduce_tokens
 from specdistill.models.frozen import Frozen
@@ -21,26 +22,6 @@ from specdistill.selection.base import SelectionInput, SupportsSelect
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[..., Any]
-
-
-def logits_on_answers(
-    model: nn.Module, batch: Mapping[str, Any], answer_mask: torch.Tensor, vocab_size: int
-) -> torch.Tensor:
-    """Run `model` on the batch and return its logits at the answer positions, real vocabulary only.
-
-    Args:
-        answer_mask: `(B, T-1)` bool, positions whose *next* token is an answer token.
-
-    Returns:
-        `(N, vocab_size)` with N = `answer_mask.sum()`, rows in row-major order of `answer_mask`.
-    """
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    if logits.shape[-1] < vocab_size:
-        raise ValueError(
-            f"model {type(model).__name__} gives {logits.shape[-1]} logits but vocab_size is {vocab_size}; "
-            "set vocab_size to len(tokenizer) and check that draft, reference and target share the tokenizer"
-        )
-    return logits[:, :-1, :vocab_size][answer_mask]
 
 
 class DistillModule(LightningModule):
@@ -111,11 +92,11 @@ class DistillModule(LightningModule):
 
     def _answer_logits(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return `(answer_mask (B, T-1), target rows (N, V), draft rows (N, V))`; the target runs once, no grad."""
-        answer_mask = batch["labels"][:, 1:] != -100
+        keep = answer_mask(batch["labels"])
         with torch.no_grad():
-            target_rows = logits_on_answers(self.target, batch, answer_mask, self.vocab_size)
-        draft_rows = logits_on_answers(self.draft, batch, answer_mask, self.vocab_size)
-        return answer_mask, target_rows, draft_rows
+            target_rows = answer_logits(self.target, batch, keep, self.vocab_size)
+        draft_rows = answer_logits(self.draft, batch, keep, self.vocab_size)
+        return keep, target_rows, draft_rows
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
         if "window_answer_tokens" not in batch:
@@ -123,21 +104,21 @@ class DistillModule(LightningModule):
                 "batch has no 'window_answer_tokens' (answer tokens of the whole accumulation window); "
                 "use specdistill's TaskDataModule or add the column to your collate function"
             )
-        answer_mask, target_rows, draft_rows = self._answer_logits(batch)
+        answers, target_rows, draft_rows = self._answer_logits(batch)
         per_token = self.divergence(target_rows, draft_rows)
         normaliser = torch.as_tensor(batch["window_answer_tokens"], device=per_token.device)
         keep = None
         if self.token_selector is not None:
-            rows = torch.arange(answer_mask.shape[0], device=answer_mask.device)
+            rows = torch.arange(answers.shape[0], device=answers.device)
             selection = self.token_selector.select(
                 SelectionInput(
                     target_logits=target_rows,
                     draft_logits=draft_rows.detach(),
                     draft_divergence=per_token.detach(),
                     divergence=self.divergence,
-                    sequence_index=rows[:, None].expand_as(answer_mask)[answer_mask],
-                    token_ids=batch["labels"][:, 1:][answer_mask],
-                    answer_mask=answer_mask,
+                    sequence_index=rows[:, None].expand_as(answers)[answers],
+                    token_ids=batch["labels"][:, 1:][answers],
+                    answer_mask=answers,
                     batch=batch,
                     normaliser=normaliser,
                 )
@@ -149,8 +130,8 @@ class DistillModule(LightningModule):
         return loss
 
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
-        answer_mask, target_rows, draft_rows = self._answer_logits(batch)
-        num_tokens = int(answer_mask.sum())
+        answers, target_rows, draft_rows = self._answer_logits(batch)
+        num_tokens = int(answers.sum())
         if num_tokens == 0:
             return
         # batch_size = answer tokens, so the epoch value is the mean per answer token, not per batch.
