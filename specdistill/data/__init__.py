@@ -1,0 +1,1 @@
+"""Data: the arith generator and tokenizer, tokenisation with prompt masking, collation, `TaskDataModule`."""

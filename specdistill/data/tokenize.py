@@ -1,0 +1,126 @@
+"""Tokenising prompt + answer pairs with prompt masking and a documented truncation policy.
+
+An example is `prompt ids + answer ids + [eos]`; `labels` copy the ids on the answer (EOS included, so models learn
+to stop) and hold -100 on the prompt (HF convention, unshifted: position t's label is token t). Prompt and answer
+are tokenised separately and concatenated, so the boundary between them is exact and the prompt ids are what
+generation starts from.
+
+Truncation policies (`truncation=`) for examples longer than `max_length`:
+
+* `"prompt_left"` (default): drop tokens from the *start of the prompt* first, keeping at least the last prompt
+  token (so the first answer token is still predicted); if the answer alone is still too long, drop the *end of
+  the answer* (EOS goes first: a cut answer does not end with EOS).
+* `"drop"`: drop any example longer than `max_length`.
+
+An example left with no answer token to predict (no label after the shift) is dropped; the caller counts them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from specdistill.data.formatting import render_prompt
+from tasks.base import Record, Task
+
+IGNORE_INDEX = -100
+
+# (prompt_ids, answer_ids incl. EOS, max_length) -> the kept (prompt_ids, answer_ids), or None to drop the example
+TruncationPolicy = Callable[[list[int], list[int], int], tuple[list[int], list[int]] | None]
+
+
+def truncate_prompt_left(
+    prompt: list[int], answer: list[int], max_length: int
+) -> tuple[list[int], list[int]]:
+    """Cut the start of the prompt first (keeping >= 1 prompt token), then the end of the answer."""
+    if len(prompt) + len(answer) <= max_length:
+        return prompt, answer
+    keep_prompt = max(max_length - len(answer), min(len(prompt), 1))
+    keep_prompt = min(keep_prompt, len(prompt))
+    kept_prompt = prompt[len(prompt) - keep_prompt :]
+    return kept_prompt, answer[: max(max_length - keep_prompt, 0)]
+
+
+def drop_long(prompt: list[int], answer: list[int], max_length: int) -> tuple[list[int], list[int]] | None:
+    """Keep the example whole or not at all."""
+    return (prompt, answer) if len(prompt) + len(answer) <= max_length else None
+
+
+TRUNCATION_POLICIES: dict[str, TruncationPolicy] = {"prompt_left": truncate_prompt_left, "drop": drop_long}
+
+
+def truncation_policy(name: str) -> TruncationPolicy:
+    if name not in TRUNCATION_POLICIES:
+        raise ValueError(f"truncation={name!r} is not a policy; use one of {sorted(TRUNCATION_POLICIES)}.")
+    return TRUNCATION_POLICIES[name]
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One tokenised example: `input_ids` and `labels` of equal length, the first `prompt_length` labels -100."""
+
+    input_ids: list[int]
+    labels: list[int]
+    prompt_length: int
+
+    @property
+    def answer_tokens(self) -> int:
+        """Answer tokens that are predicted (labels[1:] != -100)."""
+        return sum(1 for label in self.labels[1:] if label != IGNORE_INDEX)
+
+
+def encode_pair(
+    prompt_ids: Sequence[int],
+    answer_ids: Sequence[int],
+    eos_token_id: int,
+    max_length: int,
+    policy: TruncationPolicy,
+) -> Encoded | None:
+    """Concatenate `prompt_ids + answer_ids + [eos]`, truncate by `policy`, mask the prompt; None if no answer left."""
+    kept = policy(list(prompt_ids), [*answer_ids, eos_token_id], max_length)
+    if kept is None:
+        return None
+    prompt, answer = kept
+    encoded = Encoded(prompt + answer, [IGNORE_INDEX] * len(prompt) + answer, len(prompt))
+    return encoded if encoded.answer_tokens > 0 else None
+
+
+def special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The ids a tokenizer puts *before* the text with `add_special_tokens=True` (e.g. Llama's BOS), else []."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a", add_special_tokens=True)["input_ids"]
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return list(full[:start])
+    return []
+
+
+def tokenize_records(
+    task: Task,
+    records: Sequence[Record],
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    truncation: str = "prompt_left",
+) -> tuple[list[Encoded], list[int]]:
+    """Tokenise `records` of `task`; returns `(encoded examples, their indices in records)`; dropped ones are absent.
+
+    Plain-text prompts get the tokenizer's leading special tokens (e.g. BOS) but never trailing ones; chat-template
+    prompts already hold their special tokens as text. Answers get no special tokens; EOS is appended.
+    """
+    if tokenizer.eos_token_id is None:
+        raise ValueError("The tokenizer has no EOS token; answers end with EOS, so set tokenizer.eos_token.")
+    policy = truncation_policy(truncation)
+    prompts = [render_prompt(task, record, tokenizer) for record in records]
+    answers = [task.answer(record) for record in records]
+    prefix = [] if task.chat_template else special_prefix(tokenizer)
+    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"] if prompts else []
+    answer_ids = tokenizer(answers, add_special_tokens=False)["input_ids"] if answers else []
+    encoded, kept = [], []
+    for i, (p, a) in enumerate(zip(prompt_ids, answer_ids, strict=True)):
+        example = encode_pair(prefix + list(p), a, tokenizer.eos_token_id, max_length, policy)
+        if example is not None:
+            encoded.append(example)
+            kept.append(i)
+    return encoded, kept

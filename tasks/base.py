@@ -1,0 +1,302 @@
+"""The `Task` base class: where a task's records come from and how they become prompts, answers and scores.
+
+A task is built by Hydra from `conf/task/<name>.yaml` (`_target_: tasks.gsm8k.GSM8K`). Records come either from
+the Hugging Face hub (`path`, `config_name`, `splits`) or from local files (`data_files`); overriding
+`task.data_files=...` on the command line switches a hub task to local files.
+
+Split names are always ours: `train`, `validation`, `test`.
+
+* Hub mode (`data_files` is None): `splits[ours]` is the dataset's split expression passed to
+  `datasets.load_dataset(..., split=...)` (slices such as `"train[:1000]"` work); null means the task has no such
+  split (HumanEval has no train).
+* Local mode, `data_files` a mapping: its keys are our split names, its values a file or a list of files
+  (JSON/JSONL/Parquet/CSV by extension, globs allowed). `splits` is not used.
+* Local mode, `data_files` a single file or list: the files of the task's main split (`train`, or `test` for
+  evaluation-only tasks).
+
+`holdout` carves splits the source lacks from the *end* of the train split (test last, validation just before it)
+and removes them from train, e.g. GSM8K has no validation split, so `holdout: {validation: 200}`. A split that the
+source provides is always taken from the source. `max_examples` then keeps the first N records of a split.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import datasets
+
+log = logging.getLogger(__name__)
+
+SPLITS: tuple[str, ...] = ("train", "validation", "test")
+# file extension -> `datasets` packaged builder
+_BUILDERS: dict[str, str] = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+Files = str | list[str]
+Record = dict[str, Any]
+Prompt = str | list[dict[str, str]]
+
+
+class TaskDataError(ValueError):
+    """A task's data cannot be loaded as configured (missing file, empty split, unknown split, offline hub)."""
+
+
+class Task:
+    """One task: data source, prompt/answer formatting and the task metric.
+
+    Subclasses set the class attributes (`metric_name`, `required_columns`, the defaults of the hub source) and
+    implement `prompt`, `answer`, `extract_answer` and `score`.
+
+    Args:
+        name: the task's name in logs, results and export metadata (defaults to the class attribute `name`).
+        path: hub dataset id; None takes the class default (`default_path`, None for local-only tasks).
+        config_name: the hub dataset's configuration (e.g. "main" for GSM8K); None takes the class default.
+        splits: our split name -> the hub dataset's split expression, or None where the task lacks the split.
+        data_files: local files; see the module docstring. Setting it switches the task to local files.
+        holdout: our split name -> number of train records carved off for it when the source lacks that split.
+        max_examples: keep only the first N records of a split: an int for every split or a mapping per split.
+        chat_template: render prompts with the tokenizer's chat template (multi-turn tasks).
+        revision: hub revision (branch, tag or commit) for reproducible downloads.
+    """
+
+    name: ClassVar[str] = "task"
+    metric_name: ClassVar[str] = "accuracy"
+    required_columns: ClassVar[tuple[str, ...]] = ()
+    default_path: ClassVar[str | None] = None
+    default_config_name: ClassVar[str | None] = None
+    default_splits: ClassVar[dict[str, str | None]] = {
+        "train": "train",
+        "validation": "validation",
+        "test": "test",
+    }
+    default_holdout: ClassVar[dict[str, int]] = {}
+    default_chat_template: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        name: str | None = None,
+        path: str | None = None,
+        config_name: str | None = None,
+        splits: Mapping[str, str | None] | None = None,
+        data_files: str | Sequence[str] | Mapping[str, str | Sequence[str]] | None = None,
+        holdout: Mapping[str, int] | None = None,
+        max_examples: int | Mapping[str, int | None] | None = None,
+        chat_template: bool | None = None,
+        revision: str | None = None,
+    ) -> None:
+        self.name = name or type(self).name
+        self.path = path or self.default_path
+        self.config_name = config_name or self.default_config_name
+        self.splits = _split_mapping(self.default_splits if splits is None else splits, "splits")
+        self.data_files = _normalise_data_files(data_files)
+        self.holdout = {
+            k: int(v)
+            for k, v in _split_mapping(
+                self.default_holdout if holdout is None else holdout, "holdout"
+            ).items()
+        }
+        if any(n <= 0 for n in self.holdout.values()) or "train" in self.holdout:
+            raise ValueError(f"holdout={self.holdout}: give positive counts for validation and/or test only.")
+        self.max_examples = _max_examples(max_examples)
+        self.chat_template = self.default_chat_template if chat_template is None else bool(chat_template)
+        self.revision = revision
+
+    # ------------------------------------------------------------------ formatting (subclasses implement)
+    def prompt(self, record: Record) -> Prompt:
+        """The model's input: text, or chat messages `[{"role", "content"}]` for multi-turn tasks."""
+        raise NotImplementedError
+
+    def answer(self, record: Record) -> str:
+        """The training target that follows the prompt (without EOS)."""
+        raise NotImplementedError
+
+    def extract_answer(self, text: str) -> str | None:
+        """The part of generated `text` that the metric compares; None when nothing can be extracted."""
+        raise NotImplementedError
+
+    def score(self, generated_text: str, record: Record) -> float:
+        """Task metric of one generated continuation, in [0, 1]."""
+        raise NotImplementedError
+
+    @property
+    def scoring_available(self) -> bool:
+        """Whether `score` can run as configured (code tasks need `execute_code: true`)."""
+        return True
+
+    # ------------------------------------------------------------------ data
+    @property
+    def local(self) -> bool:
+        return self.data_files is not None
+
+    def _source_has(self, split: str) -> bool:
+        if self.data_files is None:
+            return self.splits.get(split) is not None
+        if isinstance(self.data_files, dict):
+            return split in self.data_files
+        # a single file set: train, unless the hub layout of the task has no train split (evaluation only)
+        main = "train" if self.splits.get("train") is not None else "test"
+        return split == main
+
+    def has_split(self, split: str) -> bool:
+        return self._source_has(split) or (split in self.holdout and self._source_has("train"))
+
+    @property
+    def available_splits(self) -> tuple[str, ...]:
+        return tuple(s for s in SPLITS if self.has_split(s))
+
+    @property
+    def train_available(self) -> bool:
+        return self.has_split("train")
+
+    def load_split(self, split: str) -> datasets.Dataset:
+        """Records of one of our splits as a `datasets.Dataset` (holdouts and `max_examples` applied)."""
+        if split not in SPLITS:
+            raise TaskDataError(f"Unknown split {split!r}; use one of {SPLITS}.")
+        if not self.has_split(split):
+            raise TaskDataError(
+                f"Task {self.name!r} has no {split!r} split (available: {list(self.available_splits)}). "
+                + self._how_to_add(split)
+            )
+        if self._source_has(split):
+            ds = self._load_source(split)
+            if split == "train":
+                ds = ds.select(range(self._holdout_bounds(len(ds))["train"][1]))
+        else:
+            train = self._load_source("train")
+            start, stop = self._holdout_bounds(len(train))[split]
+            ds = train.select(range(start, stop))
+        limit = self.max_examples.get(split)
+        if limit is not None:
+            ds = ds.select(range(min(limit, len(ds))))
+        if len(ds) == 0:
+            raise TaskDataError(
+                f"Split {split!r} of task {self.name!r} is empty ({self._describe_source(split)}); "
+                "check the data file or the split / max_examples settings."
+            )
+        missing = [c for c in self.required_columns if c not in ds.column_names]
+        if missing:
+            raise TaskDataError(
+                f"Split {split!r} of task {self.name!r} lacks columns {missing} (has {ds.column_names}); "
+                f"records need the schema {list(self.required_columns)}."
+            )
+        return ds
+
+    def _how_to_add(self, split: str) -> str:
+        if self.local:
+            return f"Add a file for it with task.data_files.{split}=<file> or carve it with task.holdout.{split}=N."
+        return f"Carve it from train with task.holdout.{split}=N, or map it with task.splits.{split}=<hub split>."
+
+    def _holdout_bounds(self, n_train: int) -> dict[str, tuple[int, int]]:
+        """Row ranges of the train source: what train keeps and what each carved split gets."""
+        carved = {s: n for s, n in self.holdout.items() if not self._source_has(s)}
+        test_n, val_n = carved.get("test", 0), carved.get("validation", 0)
+        if test_n + val_n >= n_train:
+            raise TaskDataError(
+                f"Task {self.name!r}: cannot hold out {carved} from a train split of {n_train} records; "
+                "lower task.holdout or provide those splits as files."
+            )
+        keep = n_train - test_n - val_n
+        return {"train": (0, keep), "validation": (keep, keep + val_n), "test": (keep + val_n, n_train)}
+
+    def _describe_source(self, split: str) -> str:
+        if self.local:
+            files = self.data_files[split] if isinstance(self.data_files, dict) else self.data_files
+            return f"files {files}"
+        return f"hub dataset {self.path} config {self.config_name} split {self.splits.get(split)!r}"
+
+    def _load_source(self, split: str) -> datasets.Dataset:
+        """The split straight from the source (no holdout, no limit)."""
+        if self.local:
+            files = self.data_files[split] if isinstance(self.data_files, dict) else self.data_files
+            return _load_files(files)
+        if self.path is None:
+            raise TaskDataError(
+                f"Task {self.name!r} has no hub dataset; give local files with task.data_files=<file> "
+                "or task.data_files={train: <file>, test: <file>}."
+            )
+        try:
+            return datasets.load_dataset(
+                self.path, self.config_name, split=self.splits[split], revision=self.revision
+            )
+        except Exception as err:  # offline, unknown id, no network: all need the same advice
+            raise TaskDataError(
+                f"Could not load hub dataset {self.path!r} (config {self.config_name!r}, split "
+                f"{self.splits[split]!r}): {type(err).__name__}: {err}. Offline (HF_DATASETS_OFFLINE=1) or "
+                "without the dataset in the local cache, pass local files instead: task.data_files=<file> or "
+                "task.data_files={train: <file>, validation: <file>, test: <file>}."
+            ) from err
+
+    def __repr__(self) -> str:
+        source = f"data_files={self.data_files}" if self.local else f"path={self.path!r}"
+        return f"{type(self).__name__}(name={self.name!r}, {source})"
+
+
+def _split_mapping(value: Mapping[str, Any], what: str) -> dict[str, Any]:
+    out = dict(value)
+    unknown = sorted(set(out) - set(SPLITS))
+    if unknown:
+        raise ValueError(f"{what} has unknown split names {unknown}; use {SPLITS}.")
+    return out
+
+
+def _as_files(value: str | Sequence[str]) -> Files:
+    if isinstance(value, str | Path):
+        return str(value)
+    files = [str(v) for v in value]
+    if not files:
+        raise ValueError("data_files holds an empty list of files.")
+    return files
+
+
+def _normalise_data_files(value: Any) -> Files | dict[str, Files] | None:
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        return {k: _as_files(v) for k, v in _split_mapping(value, "data_files").items()}
+    return _as_files(value)
+
+
+def _max_examples(value: int | Mapping[str, int | None] | None) -> dict[str, int | None]:
+    if value is None:
+        return {}
+    if isinstance(value, int):
+        limits: dict[str, int | None] = dict.fromkeys(SPLITS, value)
+    else:
+        limits = _split_mapping(value, "max_examples")
+    for split, n in limits.items():
+        if n is not None and int(n) < 1:
+            raise ValueError(f"max_examples.{split}={n}: give a positive count or null for no limit.")
+    return {k: None if v is None else int(v) for k, v in limits.items()}
+
+
+def _expand(files: Files) -> list[str]:
+    out: list[str] = []
+    for pattern in [files] if isinstance(files, str) else files:
+        path = str(Path(pattern).expanduser())
+        matches = sorted(glob.glob(path)) if glob.has_magic(path) else [path]
+        if not matches or not all(Path(m).is_file() for m in matches):
+            raise TaskDataError(f"Data file not found: {pattern!r}; check task.data_files.")
+        out.extend(matches)
+    return out
+
+
+def _load_files(files: Files) -> datasets.Dataset:
+    """Load local JSON/JSONL/Parquet/CSV files (by extension) with `datasets.load_dataset` as one split."""
+    paths = _expand(files)
+    suffixes = {Path(p).suffix.lower() for p in paths}
+    unknown = suffixes - set(_BUILDERS)
+    if unknown:
+        raise TaskDataError(
+            f"Unsupported data file type(s) {sorted(unknown)} in {paths}; use {sorted(_BUILDERS)}."
+        )
+    builders = {_BUILDERS[s] for s in suffixes}
+    if len(builders) > 1:
+        raise TaskDataError(
+            f"Mixed file types {sorted(suffixes)} in one split: {paths}; use one format per split."
+        )
+    if all(Path(p).stat().st_size == 0 for p in paths):
+        raise TaskDataError(f"Data file(s) {paths} are empty; the split needs at least one record.")
+    return datasets.load_dataset(builders.pop(), data_files=paths, split="train")

@@ -1,0 +1,129 @@
+"""Tasks on their fixture files: exact prompt/answer strings, extraction and scores, and the loading errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+from tasks.base import TaskDataError
+from tasks.gsm8k import GSM8K
+from tasks.metrics import normalise_number, rouge_l_f
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"
+
+
+def fixture_files(task: str, ext: str = "parquet") -> dict[str, str]:
+    return {p.stem: str(p) for p in sorted((FIXTURES / task).glob(f"*.{ext}"))}
+
+
+def compose_task(name: str, *overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf" / "task"), version_base="1.3"):
+        return instantiate(compose(config_name=name, overrides=list(overrides)))
+
+
+# ---------------------------------------------------------------- gsm8k
+def test_gsm8k_formatting_on_fixture():
+    files = fixture_files("gsm8k")
+    task = compose_task(
+        "gsm8k", f"data_files={{train:{files['train']},test:{files['test']}}}", "holdout.validation=2"
+    )
+    train, validation, test = (task.load_split(s) for s in ("train", "validation", "test"))
+    assert (len(train), len(validation), len(test)) == (3, 2, 3)  # the last 2 train records became validation
+    assert validation[0]["question"].startswith("A rope is 20 meters long")
+    record = train[0]
+    assert task.prompt(record) == (
+        "Ann has 3 red pens and 4 blue pens. How many pens does she have?\n"
+        "Answer the above question. First think step by step and then answer the final number.\n"
+    )
+    assert task.answer(record) == "Ann has 3 + 4 = <<3+4=7>>7 pens.\nThe final answer is:  7"
+    assert task.name == "gsm8k" and task.metric_name == "accuracy" and task.train_available
+
+
+def test_gsm8k_extract_and_score():
+    task = GSM8K()
+    record = {"question": "?", "answer": "It saves 600 * 2 = 1,200.\n#### 1,200"}
+    assert task.extract_answer("so ... The final answer is:  $1,200.00 and more 7") == "1200"
+    assert task.extract_answer("#### -3") == "-3"
+    assert task.extract_answer("no marker, 3 then 1200.") == "1200"  # flexible: last number
+    assert task.extract_answer("no number at all") is None
+    assert task.extract_answer("The final answer is: unknown") is None
+    assert task.score("The final answer is: 1200", record) == 1.0
+    assert task.score("The final answer is: 1201", record) == 0.0
+    assert task.score(task.answer(record), record) == 1.0
+    with pytest.raises(ValueError, match="####"):
+        task.score("1", {"question": "?", "answer": "no final line"})
+
+
+def test_normalise_number():
+    assert normalise_number("1,234.50") == "1234.5"
+    assert (
+        normalise_number("72.0") == "72" and normalise_number("-0") == "0" and normalise_number("3.") == "3"
+    )
+    assert normalise_number("abc") is None and normalise_number("nan") is None
+
+
+# ---------------------------------------------------------------- loading errors
+def test_local_file_formats_by_extension(tmp_path):
+    records = [{"question": "1 + 1?", "answer": "#### 2"}, {"question": "2 + 2?", "answer": "#### 4"}]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "a.json").write_text(json.dumps(records))
+    (tmp_path / "a.csv").write_text(
+        "question,answer\n" + "".join(f'"{r["question"]}","{r["answer"]}"\n' for r in records)
+    )
+    for ext in ("jsonl", "json", "csv"):
+        task = GSM8K(data_files=str(tmp_path / f"a.{ext}"), holdout={"validation": 1})
+        assert task.load_split("train").to_list() == records[:1]
+        assert task.load_split("validation").to_list() == records[1:]
+    assert GSM8K(data_files=str(tmp_path / "*.jsonl"), holdout={}).load_split("train").to_list() == records
+
+
+def test_missing_file_empty_split_and_unknown_split(tmp_path):
+    with pytest.raises(TaskDataError, match="Data file not found"):
+        GSM8K(data_files={"train": str(tmp_path / "nope.jsonl")}).load_split("train")
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(TaskDataError, match="empty"):
+        GSM8K(data_files={"test": str(tmp_path / "empty.jsonl")}).load_split("test")
+    task = GSM8K(data_files={"test": fixture_files("gsm8k")["test"]})
+    assert task.available_splits == ("test",) and not task.train_available
+    with pytest.raises(TaskDataError, match="has no 'train' split"):
+        task.load_split("train")
+    with pytest.raises(TaskDataError, match="Unknown split"):
+        task.load_split("dev")
+    with pytest.raises(TaskDataError, match="cannot hold out"):
+        GSM8K(data_files=fixture_files("gsm8k")["train"]).load_split("validation")  # 200 of 5
+    (tmp_path / "x.txt").write_text("hi")
+    with pytest.raises(TaskDataError, match="Unsupported"):
+        GSM8K(data_files={"test": str(tmp_path / "x.txt")}).load_split("test")
+    (tmp_path / "wrong.jsonl").write_text(json.dumps({"q": 1}) + "\n")
+    with pytest.raises(TaskDataError, match="lacks columns"):
+        GSM8K(data_files={"test": str(tmp_path / "wrong.jsonl")}).load_split("test")
+    with pytest.raises(ValueError, match="unknown split names"):
+        GSM8K(data_files={"dev": "x.jsonl"})
+
+
+def test_hub_offline_error_says_to_pass_data_files():
+    with pytest.raises(TaskDataError, match="task.data_files"):
+        GSM8K(path="specdistill-tests/does-not-exist").load_split("test")
+
+
+def test_max_examples_limits_each_split():
+    files = fixture_files("gsm8k")
+    task = GSM8K(data_files=files, holdout={}, max_examples={"train": 2})
+    assert len(task.load_split("train")) == 2 and len(task.load_split("test")) == 3
+    assert len(GSM8K(data_files=files, max_examples=1).load_split("test")) == 1
+    with pytest.raises(ValueError, match="positive"):
+        GSM8K(max_examples={"train": 0})
+
+
+# ---------------------------------------------------------------- metrics
+def test_rouge_l_f():
+    assert rouge_l_f("the cat sat on the mat", "the cat sat on the mat") == 1.0
+    assert rouge_l_f("", "anything") == 0.0 and rouge_l_f("dog", "cat") == 0.0
+    # LCS "the cat the mat" = 4 of 6 prediction tokens and 4 of 5 reference tokens
+    p, r = 4 / 6, 4 / 5
+    assert rouge_l_f("The cat, sat on the mat!", "the cat ate the mat") == pytest.approx(2 * p * r / (p + r))
