@@ -14,6 +14,12 @@ Contract with the engine (`specdistill/decoding/engine.py`):
   `step.token`.
 - A policy that sets `needs_oracle` gets `step.will_accept`: whether the target will accept this candidate, computed
   honestly from the target by the engine outside the timed and counted work.
+- A policy that sets `withdraw_rejected` (extension, used by `Oracle`) may stop on a candidate it knows to be
+  rejected (`will_accept` False) and have it *withdrawn*: it is not sent to the target nor counted as drafted, and
+  the round still emits the token the target would have emitted after rejecting it (greedy: the target's argmax;
+  sampling: a sample from norm(max(0, p - q)) using that candidate's draft distribution), so output stays lossless.
+- `step.draft_probs` is the warped distribution the candidate was sampled from; in greedy mode (where that is
+  one-hot and carries no information) it is the softmax of the draft's raw logits, i.e. the draft's confidence.
 
 Concrete policies live in this module (fixed, heuristic schedule, confidence, entropy, oracle) and in
 `specdistill/decoding/head_policy.py` (SpecDec++ acceptance head); `conf/policy/*.yaml` builds them.
@@ -33,7 +39,8 @@ class DraftStep:
     Attributes:
         index: 1-based number of candidates drafted so far in this round (the newest is candidate `index`).
         token: id of the newest candidate.
-        draft_probs: `(V,)` warped draft distribution the newest candidate was sampled from.
+        draft_probs: `(V,)` warped draft distribution the newest candidate was sampled from (greedy mode:
+            softmax of the raw draft logits).
         hidden: `(H,)` draft last hidden state (see module docstring for which input it belongs to), or None.
         will_accept: for oracle policies only, whether the target accepts this candidate; else None.
     """
@@ -53,6 +60,7 @@ class DraftPolicy:
     needs_hidden_states: bool = False
     feed_newest: bool = False
     needs_oracle: bool = False
+    withdraw_rejected: bool = False
 
     def reset(self) -> None:
         """Start a new sequence."""
@@ -65,3 +73,147 @@ class DraftPolicy:
 
     def end_round(self, num_drafted: int, num_accepted: int) -> None:
         """Feedback after the target verified the round's candidates."""
+
+
+def _check_int(name: str, value: int, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def _check_probability(name: str, value: float, *, allow_zero: bool = False) -> float:
+    low_ok = value >= 0.0 if allow_zero else value > 0.0
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (low_ok and value <= 1.0):
+        interval = "[0, 1]" if allow_zero else "(0, 1]"
+        raise ValueError(f"{name} must be a probability in {interval}, got {value!r}")
+    return float(value)
+
+
+class FixedLength(DraftPolicy):
+    """Always draft `k` candidates (fewer only at EOS or at the end of the token budget): vanilla speculative decoding.
+
+    Args:
+        k: candidates per round, >= 1.
+    """
+
+    def __init__(self, k: int = 5) -> None:
+        self.k = _check_int("k", k, 1)
+        self.max_draft_length = self.k
+
+    def should_stop(self, step: DraftStep) -> bool:
+        return step.index >= self.k
+
+
+class HeuristicSchedule(DraftPolicy):
+    """transformers' `num_assistant_tokens_schedule="heuristic"`: +2 after a fully accepted round, -1 otherwise.
+
+    The current length never drops below 1 and is capped at `max_draft_length` (transformers has no cap; the cap
+    keeps a long run of accepted rounds from needing as many rejections to come back down). With
+    `persistent=False` (default, transformers' "heuristic_transient") every sequence starts again from `initial`;
+    with `persistent=True` (transformers' "heuristic") the length carries over between sequences.
+
+    Args:
+        initial: draft length of the first round, >= 1.
+        max_draft_length: upper bound on the length, >= initial.
+        persistent: keep the learnt length across `reset()`.
+    """
+
+    def __init__(self, initial: int = 5, max_draft_length: int = 20, persistent: bool = False) -> None:
+        self.initial = _check_int("initial", initial, 1)
+        self.max_draft_length = _check_int("max_draft_length", max_draft_length, 1)
+        if self.initial > self.max_draft_length:
+            raise ValueError(f"initial ({initial}) must be <= max_draft_length ({max_draft_length})")
+        self.persistent = bool(persistent)
+        self.current = self.initial
+
+    def reset(self) -> None:
+        if not self.persistent:
+            self.current = self.initial
+
+    def should_stop(self, step: DraftStep) -> bool:
+        return step.index >= self.current
+
+    def end_round(self, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted == 0:  # nothing was proposed (token budget exhausted): no evidence either way
+            return
+        if num_accepted == num_drafted:
+            self.current = min(self.current + 2, self.max_draft_length)
+        else:
+            self.current = max(1, self.current - 1)
+
+
+class ConfidenceThreshold(DraftPolicy):
+    """Stop once the draft's probability of its own newest candidate is below `threshold`.
+
+    transformers' `assistant_confidence_threshold` (static here: transformers also re-tunes it online from an ROC
+    curve when scikit-learn is installed). The low-confidence candidate itself is still sent to the target.
+
+    Args:
+        threshold: in (0, 1]; 0.4 is transformers' default.
+        max_draft_length: most candidates per round.
+    """
+
+    def __init__(self, threshold: float = 0.4, max_draft_length: int = 20) -> None:
+        self.threshold = _check_probability("threshold", threshold)
+        self.max_draft_length = _check_int("max_draft_length", max_draft_length, 1)
+
+    def should_stop(self, step: DraftStep) -> bool:
+        return float(step.draft_probs[step.token]) < self.threshold
+
+
+def entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy in nats of `(..., V)` probabilities (zeros contribute 0) -> `(...)`."""
+    probs = probs.float()
+    logs = torch.where(probs > 0, probs.log(), torch.zeros_like(probs))
+    return -(probs * logs).sum(-1)
+
+
+class EntropyThreshold(DraftPolicy):
+    """Stop once the entropy (nats) of the draft distribution of the newest candidate exceeds `threshold`.
+
+    The training-free entropy rule of SVIP / AdaEDL: a spread-out draft distribution predicts a rejection. The
+    uncertain candidate itself is still sent to the target.
+
+    Args:
+        threshold: entropy in nats, > 0 (log V is the uniform distribution's).
+        max_draft_length: most candidates per round.
+    """
+
+    def __init__(self, threshold: float = 1.0, max_draft_length: int = 20) -> None:
+        if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not threshold > 0:
+            raise ValueError(f"threshold must be an entropy in nats > 0, got {threshold!r}")
+        self.threshold = float(threshold)
+        self.max_draft_length = _check_int("max_draft_length", max_draft_length, 1)
+
+    def should_stop(self, step: DraftStep) -> bool:
+        return float(entropy(step.draft_probs)) > self.threshold
+
+
+class Oracle(DraftPolicy):
+    """Drafts exactly the candidates the target will accept: an upper bound for every draft-length policy.
+
+    The engine tells it `step.will_accept` from a target probe (excluded from timings and forward counts); it stops
+    at the first candidate that will be rejected and withdraws it (see the module docstring), so every drafted
+    candidate is accepted. Greedy mode: a candidate is accepted iff it equals the target's argmax, exactly. Sampling
+    mode: the probe uses the same uniform draw u_i that the real verification uses for candidate i (the randomness
+    is coupled per position), so the probe and the real round agree; the withdrawn candidate's token is replaced by
+    a residual sample, exactly as after a rejection. Stopping at the first rejection or at `max_draft_length` is the
+    termination rule of plain speculative sampling with K = max_draft_length, so the output distribution is the
+    target's. The draft forward that produced the withdrawn candidate is real work and is counted.
+
+    Args:
+        max_draft_length: most candidates per round (20 as in SpecDec++).
+    """
+
+    needs_oracle = True
+    withdraw_rejected = True
+
+    def __init__(self, max_draft_length: int = 20) -> None:
+        self.max_draft_length = _check_int("max_draft_length", max_draft_length, 1)
+
+    def should_stop(self, step: DraftStep) -> bool:
+        if step.will_accept is None:
+            raise ValueError(
+                "Oracle needs step.will_accept: run it with the SpeculativeDecoder (needs_oracle)."
+            )
+        return not step.will_accept

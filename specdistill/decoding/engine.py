@@ -1,0 +1,537 @@
+"""Lossless speculative decoding (batch size 1) and the autoregressive baseline it is measured against.
+
+One round: the draft proposes candidates d_1..d_k (the `DraftPolicy` decides k), the target scores
+`[pending tokens, d_1..d_k]` in one forward pass, candidates are tested left to right and the round emits the
+accepted prefix plus one target token (the residual sample at the first rejection, or the bonus token when all
+are accepted). Sampling mode accepts d_i with probability min(1, p(d_i) / q(d_i)) and resamples from
+norm(max(0, p - q)); greedy mode accepts iff d_i is the target's argmax. Both are exact: the output has the
+target's (warped) distribution, token for token equal to the target's own greedy output in greedy mode.
+
+Cache invariant: at the start of a round both KV caches cover a prefix of the sequence that is at most `n - 1`
+tokens long (`n` = prompt + generated), so the tokens they have not seen are fed next; after verification the
+caches are cropped to the accepted prefix, never recomputed. The first round therefore prefills the prompt.
+
+Oracle policies (`needs_oracle`) get `DraftStep.will_accept` from a target probe that runs on the real target
+cache and is cropped away before the real verification; its time and forward passes are excluded from the
+statistics. The probe uses the acceptance uniforms that the real verification will use, so the two agree (up to
+floating point differences between incremental and batched forwards, which can only cost a rejection: the
+output stays lossless because the real verification alone decides what is emitted). See `Oracle`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+from transformers.cache_utils import Cache
+
+from specdistill.decoding.policies import DraftPolicy, DraftStep
+from specdistill.decoding.sampling import SamplingConfig
+from specdistill.decoding.stats import DecodingStats
+from specdistill.models.cache import crop_cache, forward_with_cache
+from specdistill.models.vocab import check_model_covers_vocab
+
+
+@dataclass
+class DecodeState:
+    """Where a generation ended, for tests and debugging (`generate(..., keep_state=True)`).
+
+    Attributes:
+        tokens: `(1, n)` prompt followed by the generated tokens.
+        target_cache / draft_cache: the KV caches, covering `target_length` / `draft_length` leading tokens.
+    """
+
+    tokens: torch.Tensor
+    target_cache: Cache | None
+    target_length: int
+    draft_cache: Cache | None = None
+    draft_length: int = 0
+
+
+@dataclass
+class GenerationResult:
+    """Generated token ids (prompt excluded, EOS included when emitted) and the run's statistics."""
+
+    tokens: list[int]
+    stats: DecodingStats
+    state: DecodeState | None = None
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)): where to resample after the target rejects a candidate drawn from q.
+
+    Args:
+        p: `(V,)` warped target probabilities.  q: `(V,)` warped draft probabilities.
+
+    Returns:
+        `(V,)` probabilities. A rejection implies p(v) > q(v) somewhere, so the mass is positive; if float rounding
+        makes it 0 (p and q equal to within rounding, where a rejection has probability ~1e-7) p is returned.
+    """
+    residual = (p - q).clamp_min_(0.0)
+    mass = residual.sum()
+    return torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)
+
+
+@cache
+def _takes_logits_to_keep(model_cls: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_cls.forward).parameters
+
+
+def _forward(model: torch.nn.Module, ids: torch.Tensor, cache: Cache | None, keep: int, hidden: bool = False):
+    """Forward `ids: (1, T)` continuing `cache`; only the last `keep` positions' logits are computed if supported."""
+    kwargs = {}
+    if _takes_logits_to_keep(type(model)):
+        kwargs["logits_to_keep"] = keep
+    if hidden:
+        kwargs["output_hidden_states"] = True
+    return forward_with_cache(model, ids, cache, **kwargs)
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _sync(device: torch.device) -> None:
+    # CUDA kernels run asynchronously; the clock must wait for them or timings land in the wrong bucket.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _eos_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
+    if eos_token_id is None:
+        return frozenset()
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids):
+        raise ValueError(
+            f"eos_token_id must be a non-negative int, a list of them or None, got {eos_token_id!r}"
+        )
+    return frozenset(ids)
+
+
+def _prompt_tensor(
+    prompt_ids: Sequence[int] | torch.Tensor, device: torch.device, vocab_size: int
+) -> torch.Tensor:
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long)
+    if ids.dim() == 2:
+        if ids.shape[0] != 1:
+            raise ValueError(
+                f"batch size 1 only: prompt_ids has shape {tuple(ids.shape)}; pass one prompt (1, T)."
+            )
+        ids = ids[0]
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError(
+            f"prompt_ids must be a non-empty list of ids or a (1, T) tensor, got {tuple(ids.shape)}"
+        )
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"prompt_ids must lie in [0, {vocab_size}); check the tokenizer matches the models.")
+    return ids.to(device)
+
+
+def _check_generator(
+    generator: torch.Generator | None, sampling: SamplingConfig, device: torch.device
+) -> None:
+    if generator is None:
+        if not sampling.is_greedy:
+            raise ValueError("sampling mode needs a torch.Generator (seeded) so runs are reproducible.")
+        return
+    if torch.device(generator.device).type != device.type:
+        raise ValueError(
+            f"the generator lives on {generator.device} but the models on {device}: "
+            f"create it with torch.Generator(device='{device.type}')."
+        )
+
+
+def _check_max_new_tokens(max_new_tokens: int) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+
+
+class _Sequence:
+    """Mutable state of one generation: token buffer, length, caches, counters."""
+
+    def __init__(self, prompt: torch.Tensor, capacity: int) -> None:
+        self.buf = torch.empty(1, capacity, dtype=torch.long, device=prompt.device)
+        self.buf[0, : prompt.numel()] = prompt
+        self.prompt_length = prompt.numel()
+        self.n = prompt.numel()
+        self.target_cache: Cache | None = None
+        self.target_length = 0
+        self.draft_cache: Cache | None = None
+        self.draft_length = 0
+        self.finished = False
+        self.stats = DecodingStats(sequences=1)
+
+    def result(self, keep_state: bool) -> GenerationResult:
+        tokens = self.buf[0, self.prompt_length : self.n].tolist()
+        self.stats.generated_tokens = len(tokens)
+        state = None
+        if keep_state:
+            state = DecodeState(
+                self.buf[:, : self.n].clone(),
+                self.target_cache,
+                self.target_length,
+                self.draft_cache,
+                self.draft_length,
+            )
+        return GenerationResult(tokens, self.stats, state)
+
+
+@torch.inference_mode()
+def autoregressive(
+    target: torch.nn.Module,
+    prompt_ids: Sequence[int] | torch.Tensor,
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    eos_token_id: int | Sequence[int] | None,
+    vocab_size: int,
+    generator: torch.Generator | None = None,
+) -> GenerationResult:
+    """Plain target decoding with the engine's sampling and statistics: the baseline of `speedup`.
+
+    Args:
+        target: causal LM (HF `PreTrainedModel`), in eval mode.
+        prompt_ids: list of ids or `(1, T)` tensor.
+        max_new_tokens: most tokens to generate; generation also stops after EOS.
+        sampling: warping shared with the speculative engine.
+        eos_token_id: id (or ids) that end generation; None for none.
+        vocab_size: the tokenizer's real vocabulary; logits beyond it (padding rows) are dropped.
+        generator: seeded generator on the model's device (required unless greedy).
+    """
+    check_model_covers_vocab("target", target, vocab_size)
+    _check_max_new_tokens(max_new_tokens)
+    device = _model_device(target)
+    _check_generator(generator, sampling, device)
+    eos = _eos_set(eos_token_id)
+    prompt = _prompt_tensor(prompt_ids, device, vocab_size)
+    seq = _Sequence(prompt, prompt.numel() + max_new_tokens)
+    greedy = sampling.is_greedy
+    start = time.perf_counter()
+    while seq.n - seq.prompt_length < max_new_tokens and not seq.finished:
+        out, seq.target_cache = _forward(target, seq.buf[:, seq.target_length : seq.n], seq.target_cache, 1)
+        seq.target_length = seq.n
+        seq.stats.target_forwards += 1
+        logits = out.logits[0, -1, :vocab_size]
+        if greedy:
+            token = logits.argmax()
+        else:
+            token = torch.multinomial(sampling.warp_probs(logits), 1, generator=generator)[0]
+        seq.buf[0, seq.n] = token
+        seq.n += 1
+        seq.finished = int(token) in eos
+    _sync(device)
+    seq.stats.wall_time_s = time.perf_counter() - start
+    seq.stats.target_time_s = seq.stats.wall_time_s
+    return seq.result(keep_state=False)
+
+
+class SpeculativeDecoder:
+    """Speculative decoding of one sequence at a time with a draft-length policy.
+
+    Args:
+        target: the large causal LM whose distribution is reproduced exactly.
+        draft: the small causal LM proposing candidates (same tokenizer).
+        policy: decides within each round when the draft stops proposing (see `DraftPolicy`).
+        sampling: warping applied identically to draft and target; greedy or temperature 0 for argmax decoding.
+        eos_token_id: id (or ids) that end generation; None for none.
+        vocab_size: the tokenizer's real vocabulary: logits are compared on `[..., :vocab_size]` only.
+    """
+
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        draft: torch.nn.Module,
+        policy: DraftPolicy,
+        sampling: SamplingConfig,
+        eos_token_id: int | Sequence[int] | None,
+        vocab_size: int,
+    ) -> None:
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+            raise ValueError(f"vocab_size must be a positive int (len(tokenizer)), got {vocab_size!r}")
+        check_model_covers_vocab("target", target, vocab_size)
+        check_model_covers_vocab("draft", draft, vocab_size)
+        self.device = _model_device(target)
+        if _model_device(draft) != self.device:
+            raise ValueError(
+                f"draft is on {_model_device(draft)} but target on {self.device}: put both on one device."
+            )
+        if not isinstance(policy, DraftPolicy):
+            raise ValueError(f"policy must be a DraftPolicy, got {type(policy).__name__}")
+        if not 1 <= policy.min_draft_length <= policy.max_draft_length:
+            raise ValueError(
+                f"policy needs 1 <= min_draft_length <= max_draft_length, got "
+                f"{policy.min_draft_length} and {policy.max_draft_length}"
+            )
+        self.target = target
+        self.draft = draft
+        self.policy = policy
+        self.sampling = sampling
+        self.eos = _eos_set(eos_token_id)
+        self.vocab_size = vocab_size
+        self._hidden_checked = False
+
+    # ------------------------------------------------------------------ public
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt_ids: Sequence[int] | torch.Tensor,
+        max_new_tokens: int,
+        generator: torch.Generator | None = None,
+        keep_state: bool = False,
+    ) -> GenerationResult:
+        """Generate up to `max_new_tokens` tokens after `prompt_ids` (stops after EOS).
+
+        Args:
+            prompt_ids: list of ids or `(1, T)` tensor.
+            max_new_tokens: most tokens to generate.
+            generator: seeded generator on the models' device (required unless greedy).
+            keep_state: return the final token buffer and caches in `result.state` (tests, debugging).
+        """
+        _check_max_new_tokens(max_new_tokens)
+        _check_generator(generator, self.sampling, self.device)
+        prompt = _prompt_tensor(prompt_ids, self.device, self.vocab_size)
+        max_k = int(self.policy.max_draft_length)
+        seq = _Sequence(prompt, prompt.numel() + max_new_tokens + max_k + 2)
+        self.policy.reset()
+        start = time.perf_counter()
+        excluded = 0.0
+        while seq.n - seq.prompt_length < max_new_tokens and not seq.finished:
+            remaining = max_new_tokens - (seq.n - seq.prompt_length)
+            # Never draft more than can be emitted: a round emits at most k + 1 tokens.
+            excluded += self._round(seq, min(max_k, remaining - 1), generator)
+        _sync(self.device)
+        seq.stats.wall_time_s = time.perf_counter() - start - excluded
+        return seq.result(keep_state)
+
+    # ------------------------------------------------------------------ one round
+
+    def _round(self, seq: _Sequence, k_cap: int, generator: torch.Generator | None) -> float:
+        """Draft, verify, emit, crop. Returns the seconds spent probing for an oracle (excluded from timings)."""
+        policy = self.policy
+        policy.begin_round()
+        greedy = self.sampling.is_greedy
+        n = seq.n
+        uniforms = None
+        if not greedy and k_cap > 0:
+            uniforms = torch.rand(k_cap, generator=generator, device=self.device)
+
+        t0 = time.perf_counter()
+        num_candidates, withdrawn, q_rows, probe_s, probe_length = self._draft(
+            seq, k_cap, uniforms, generator
+        )
+        if probe_length is not None:  # drop the oracle's probe before the real verification
+            if seq.target_length == 0:
+                seq.target_cache = None
+            else:
+                crop_cache(seq.target_cache, seq.target_length)
+        _sync(self.device)
+        t1 = time.perf_counter()
+        seq.stats.draft_time_s += t1 - t0 - probe_s
+
+        k = num_candidates - int(withdrawn)  # candidates sent to the target
+        out, seq.target_cache = _forward(
+            self.target, seq.buf[:, seq.target_length : n + k], seq.target_cache, k + 1
+        )
+        seq.stats.target_forwards += 1
+        seq.target_length = n + k
+        logits = out.logits[0, -(k + 1) :, : self.vocab_size]  # (k + 1, V): row j scores candidate j + 1
+
+        if greedy:
+            accepted, extra = self._verify_greedy(seq, logits, num_candidates, k)
+        else:
+            accepted, extra = self._verify_sampling(
+                seq, logits, num_candidates, k, q_rows, uniforms, generator
+            )
+
+        # Withdrawn candidates are not counted as drafted unless the real verification accepts them.
+        drafted = k + int(withdrawn and accepted == num_candidates)
+        rejected = accepted < k
+        seq.stats.record_round(drafted, accepted, rejected)
+        policy.end_round(drafted, accepted)
+
+        emitted = accepted + int(extra is not None)
+        if extra is not None:
+            seq.buf[0, n + accepted] = extra
+        if self.eos:
+            # Nothing is emitted past EOS (a bonus token after an accepted EOS candidate is dropped).
+            for j, token in enumerate(seq.buf[0, n : n + emitted].tolist()):
+                if token in self.eos:
+                    emitted = j + 1
+                    seq.finished = True
+                    break
+        seq.n = n + emitted
+        # Keep only what both models saw of the accepted prefix; caches must stay shorter than the sequence.
+        seq.target_length = min(seq.target_length, n + min(accepted, k), seq.n - 1)
+        crop_cache(seq.target_cache, seq.target_length)
+        if seq.draft_cache is not None:
+            seq.draft_length = min(seq.draft_length, n + accepted, seq.n - 1)
+            crop_cache(seq.draft_cache, seq.draft_length)
+        _sync(self.device)
+        seq.stats.target_time_s += time.perf_counter() - t1
+        return probe_s
+
+    def _draft(
+        self, seq: _Sequence, k_cap: int, uniforms: torch.Tensor | None, generator: torch.Generator | None
+    ):
+        """Draft up to `k_cap` candidates into `seq.buf[n:]`.
+
+        Returns:
+            (number of candidates, whether the last one is withdrawn, warped draft rows `(V,)` per candidate in
+            sampling mode, seconds spent probing, probe length or None).
+        """
+        if k_cap <= 0:
+            return 0, False, [], 0.0, None
+        policy, greedy, n = self.policy, self.sampling.is_greedy, seq.n
+        need_hidden, feed_newest, oracle = policy.needs_hidden_states, policy.feed_newest, policy.needs_oracle
+        q_rows: list[torch.Tensor] = []
+        probe_s = 0.0
+        probe_length = seq.target_length if oracle else None
+
+        out, seq.draft_cache = _forward(
+            self.draft, seq.buf[:, seq.draft_length : n], seq.draft_cache, 1, need_hidden
+        )
+        seq.draft_length = n
+        seq.stats.draft_forwards += 1
+        logits, hidden = self._last(out, need_hidden)
+        index = 0
+        withdrawn = False
+        while True:
+            index += 1
+            pos = n + index - 1
+            if greedy:
+                token_t = logits.argmax()
+                # One-hot would tell a policy nothing: greedy policies see the draft's unwarped confidence.
+                probs = logits.float().softmax(-1)
+            else:
+                probs = self.sampling.warp_probs(logits)
+                token_t = torch.multinomial(probs, 1, generator=generator)[0]
+                q_rows.append(probs)
+            seq.buf[0, pos] = token_t
+            token = int(token_t)
+            step_hidden = hidden
+            if feed_newest:
+                out, seq.draft_cache = _forward(
+                    self.draft, seq.buf[:, pos : pos + 1], seq.draft_cache, 1, need_hidden
+                )
+                seq.draft_length = pos + 1
+                seq.stats.draft_forwards += 1
+                logits, hidden = self._last(out, need_hidden)
+                step_hidden = hidden
+            will_accept = None
+            if oracle:
+                p0 = time.perf_counter()
+                will_accept, probe_length = self._probe(seq, index, token, probs, uniforms, probe_length)
+                probe_s += time.perf_counter() - p0
+            stop = token in self.eos or index >= k_cap
+            if index >= policy.min_draft_length:
+                step = DraftStep(index, token, probs, step_hidden, will_accept)
+                if policy.should_stop(step):
+                    stop = True
+                    withdrawn = policy.withdraw_rejected and will_accept is False
+            if stop:
+                return index, withdrawn, q_rows, probe_s, probe_length
+            if not feed_newest:
+                out, seq.draft_cache = _forward(
+                    self.draft, seq.buf[:, pos : pos + 1], seq.draft_cache, 1, need_hidden
+                )
+                seq.draft_length = pos + 1
+                seq.stats.draft_forwards += 1
+                logits, hidden = self._last(out, need_hidden)
+
+    def _last(self, out, need_hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The last position's logits on the real vocabulary `(V,)` and, if asked, the draft's last hidden `(H,)`."""
+        logits = out.logits[0, -1, : self.vocab_size]
+        if not need_hidden:
+            return logits, None
+        hidden = out.hidden_states[-1][0, -1]
+        if not self._hidden_checked:
+            self._check_hidden_is_final(out.hidden_states[-1][0, -1:], out.logits[0, -1:])
+        return logits, hidden
+
+    def _check_hidden_is_final(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        """hidden_states[-1] must be the state the LM head reads (after the final norm), or policies get garbage."""
+        head = self.draft.get_output_embeddings()
+        recomputed = head(hidden)
+        softcap = getattr(self.draft.config, "final_logit_softcapping", None)
+        if softcap:
+            recomputed = torch.tanh(recomputed / softcap) * softcap
+        if not torch.allclose(recomputed.float(), logits.float(), rtol=1e-3, atol=1e-3):
+            raise ValueError(
+                f"{type(self.draft).__name__}: output_hidden_states[-1] is not the final-norm state the LM head "
+                "reads, so hidden-state policies would score the wrong features. Use a draft architecture whose "
+                "last hidden state is post-norm (GPT-NeoX, Llama, Qwen2, Gemma2 in transformers >= 5)."
+            )
+        self._hidden_checked = True
+
+    # ------------------------------------------------------------------ verification
+
+    def _verify_greedy(self, seq: _Sequence, logits: torch.Tensor, num_candidates: int, k: int):
+        """Accepted prefix length and the extra target token (None when a withdrawn candidate was accepted)."""
+        n = seq.n
+        best = logits.argmax(-1)  # (k + 1,)
+        tested = min(num_candidates, k + 1)
+        if tested == 0:
+            return 0, best[0]
+        matches = seq.buf[0, n : n + tested] == best[:tested]
+        accepted = int(matches.cumprod(0).sum())
+        if (
+            accepted == k + 1
+        ):  # a withdrawn candidate that the target accepts after all: no row left for a bonus
+            return accepted, None
+        return accepted, best[accepted]
+
+    def _verify_sampling(
+        self,
+        seq: _Sequence,
+        logits: torch.Tensor,
+        num_candidates: int,
+        k: int,
+        q_rows: list[torch.Tensor],
+        uniforms: torch.Tensor | None,
+        generator: torch.Generator | None,
+    ):
+        """Speculative sampling: accept d_j iff u_j * q(d_j) < p(d_j); resample the first rejection from the residual."""
+        n = seq.n
+        p = self.sampling.warp_probs(logits)  # (k + 1, V)
+        if num_candidates == 0:
+            return 0, torch.multinomial(p[0], 1, generator=generator)[0]
+        cand = seq.buf[0, n : n + num_candidates]
+        q = torch.stack(q_rows)  # (num_candidates, V)
+        rows = torch.arange(num_candidates, device=p.device)
+        p_tok = p[rows, cand]
+        q_tok = q[rows, cand]
+        keep = uniforms[:num_candidates] * q_tok < p_tok
+        accepted = int(keep.cumprod(0).sum())
+        if accepted < num_candidates:
+            residual = residual_distribution(p[accepted], q[accepted])
+            return accepted, torch.multinomial(residual, 1, generator=generator)[0]
+        if accepted == k:
+            return accepted, torch.multinomial(p[k], 1, generator=generator)[0]  # bonus token
+        return accepted, None  # withdrawn candidate accepted after all: no row left for a bonus
+
+    # ------------------------------------------------------------------ oracle probe
+
+    def _probe(
+        self,
+        seq: _Sequence,
+        index: int,
+        token: int,
+        probs: torch.Tensor,
+        uniforms: torch.Tensor | None,
+        probe_length: int,
+    ) -> tuple[bool, int]:
+        """Whether the target will accept candidate `index`, from the target fed up to the candidate before it.
+
+        Runs on the real target cache (cropped back by the caller); nothing here is counted or timed.
+        """
+        end = seq.n + index - 1
+        out, seq.target_cache = _forward(self.target, seq.buf[:, probe_length:end], seq.target_cache, 1)
+        logits = out.logits[0, -1, : self.vocab_size]
+        if self.sampling.is_greedy:
+            return int(logits.argmax()) == token, end
+        p_tok = self.sampling.warp_probs(logits)[token]
+        return bool(uniforms[index - 1] * probs[token] < p_tok), end

@@ -1,0 +1,378 @@
+"""Speculative-decoding engine: sampling warpers, losslessness (greedy and sampling), caches, EOS, budget, stats."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from specdistill.decoding import engine
+from specdistill.decoding.engine import SpeculativeDecoder, autoregressive
+from specdistill.decoding.head_policy import AcceptanceHeadPolicy
+from specdistill.decoding.policies import (
+    ConfidenceThreshold,
+    DraftPolicy,
+    EntropyThreshold,
+    FixedLength,
+    HeuristicSchedule,
+    Oracle,
+)
+from specdistill.decoding.sampling import SamplingConfig, warp_logits, warp_probs
+from specdistill.decoding.stats import DecodingStats, speedup
+from specdistill.decoding.toy import perturbed_copy, tiny_gpt_neox
+from specdistill.models.acceptance_head import AcceptanceHead
+
+V = 48
+GREEDY = SamplingConfig(greedy=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # Tiny models are dominated by per-op overhead; extra threads only contend with other test processes.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_gpt_neox(V, hidden_size=32, num_layers=2, initializer_range=0.3, seed=0)
+    draft = perturbed_copy(target, noise=0.6, seed=1)
+    return target, draft
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(0, V, (int(torch.randint(1, 9, (), generator=gen)),), generator=gen).tolist()
+        for _ in range(count)
+    ]
+
+
+def _all_policies(draft) -> dict[str, DraftPolicy]:
+    torch.manual_seed(0)
+    head = AcceptanceHead(draft.config.hidden_size, num_blocks=2)
+    return {
+        "fixed1": FixedLength(1),
+        "fixed4": FixedLength(4),
+        "heuristic": HeuristicSchedule(initial=3, max_draft_length=8),
+        "confidence": ConfidenceThreshold(0.4),
+        "entropy": EntropyThreshold(1.0),
+        "oracle": Oracle(6),
+        "head": AcceptanceHeadPolicy(head, threshold=0.5, max_draft_length=6),
+        "head_newest": AcceptanceHeadPolicy(head, threshold=0.5, max_draft_length=6, score_newest=True),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- sampling warpers
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(0.7, 10, 0.9), (1.0, 0, 0.5), (1.3, 5, 1.0)])
+def test_warpers_match_transformers(temperature, top_k, top_p):
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 3
+    ref = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        ref = TopKLogitsWarper(top_k)(None, ref)
+    if top_p < 1:
+        ref = TopPLogitsWarper(top_p)(None, ref)
+    ours = warp_logits(logits, temperature, top_k, top_p)
+    assert torch.equal(torch.isinf(ours), torch.isinf(ref))
+    torch.testing.assert_close(warp_probs(logits, temperature, top_k, top_p), ref.softmax(-1))
+
+
+def test_greedy_is_one_hot_argmax():
+    logits = torch.tensor([[0.1, 3.0, -1.0], [2.0, 0.0, 1.9]])
+    expected = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    assert torch.equal(warp_probs(logits, temperature=0.0), expected)
+    assert torch.equal(SamplingConfig(temperature=0.8, greedy=True).warp_probs(logits), expected)
+    assert SamplingConfig(temperature=0).is_greedy and not SamplingConfig().is_greedy
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.2}, "top_p"),
+    ],
+)
+def test_sampling_config_rejects_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingConfig(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- greedy losslessness
+
+
+def test_greedy_output_equals_target_greedy_for_every_policy(pair):
+    target, draft = pair
+    prompts = _prompts(5)
+    references = [autoregressive(target, p, 20, GREEDY, None, V).tokens for p in prompts]
+    rejections = 0
+    for name, policy in _all_policies(draft).items():
+        decoder = SpeculativeDecoder(target, draft, policy, GREEDY, None, V)
+        for prompt, reference in zip(prompts, references, strict=True):
+            result = decoder.generate(prompt, 20)
+            assert result.tokens == reference, f"{name} diverged from the target's greedy output"
+            rejections += result.stats.rejected_tokens
+    assert rejections > 0  # the pair is related but not identical: rejections were exercised
+
+
+def test_draft_equal_to_target_accepts_every_candidate(pair):
+    target, _ = pair
+    decoder = SpeculativeDecoder(target, target, FixedLength(3), GREEDY, None, V)
+    stats = decoder.generate([3, 1, 4], 20).stats
+    assert stats.accepted_tokens == stats.drafted_tokens == 15
+    assert stats.metrics()["tokens_per_target_call"] == 4.0  # k + 1 per round: the bonus token is emitted
+    sampler = SpeculativeDecoder(target, target, FixedLength(3), SamplingConfig(temperature=1.0), None, V)
+    stats = sampler.generate([3, 1, 4], 20, torch.Generator().manual_seed(0)).stats
+    assert stats.accepted_tokens == stats.drafted_tokens
+    assert stats.metrics()["acceptance_rate"] == 1.0
+
+
+# ---------------------------------------------------------------------------------------------- sampling losslessness
+
+SMALL_V = 8
+SAMPLING = SamplingConfig(temperature=0.9, top_p=0.95)
+STAT_PROMPT = [1, 5, 2]
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    # Seed and noise chosen so that p and q overlap about halfway (sum min(p, q) ~ 0.56 on the first token).
+    target = tiny_gpt_neox(SMALL_V, hidden_size=16, num_layers=2, num_heads=2, initializer_range=0.5, seed=5)
+    return target, perturbed_copy(target, noise=1.0, seed=6)
+
+
+def _exact_two_token_distribution(target) -> torch.Tensor:
+    """`(V, V)` exact probability of the first two generated tokens, by enumerating the first one."""
+    with torch.inference_mode():
+        ids = torch.tensor([STAT_PROMPT + [x] for x in range(SMALL_V)])
+        logits = target(ids).logits
+    first = SAMPLING.warp_probs(logits[0, -2])
+    second = SAMPLING.warp_probs(logits[:, -1])
+    return first[:, None] * second
+
+
+def _chi_square_fails(counts: torch.Tensor, exact: torch.Tensor, z: float = 3.7) -> bool:
+    """Pearson chi-square goodness of fit at level ~1e-4 (Wilson-Hilferty critical value); small cells pooled.
+
+    A sample in a cell of probability 0 fails outright.
+    """
+    counts, exact = counts.flatten().double(), exact.flatten().double()
+    if counts[exact == 0].sum() > 0:
+        return True
+    expected = exact * counts.sum()
+    big = expected >= 5
+    observed = torch.cat([counts[big], counts[~big].sum().reshape(1)])
+    expected = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    if expected[-1] < 5:
+        observed, expected = observed[:-1], expected[:-1]
+    stat = float(((observed - expected) ** 2 / expected).sum())
+    df = len(observed) - 1
+    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat > critical
+
+
+def _empirical(target, draft, policy: DraftPolicy, samples: int) -> torch.Tensor:
+    # max_new_tokens=2 with one candidate per round: the first token comes from acceptance or the residual, the
+    # second from the bonus token (after an acceptance) or a plain target step (after a rejection).
+    decoder = SpeculativeDecoder(target, draft, policy, SAMPLING, None, SMALL_V)
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(SMALL_V, SMALL_V)
+    for _ in range(samples):
+        first, second = decoder.generate(STAT_PROMPT, 2, gen).tokens
+        counts[first, second] += 1
+    return counts
+
+
+def _is_lossless(target, draft, policy: DraftPolicy, samples: int = 400) -> bool:
+    counts = _empirical(target, draft, policy, samples)
+    exact = _exact_two_token_distribution(target)
+    joint, first, second = counts, counts.sum(1), counts.sum(0)
+    return not any(
+        _chi_square_fails(c, e) for c, e in ((joint, exact), (first, exact.sum(1)), (second, exact.sum(0)))
+    )
+
+
+@pytest.mark.parametrize("policy", [FixedLength(1), Oracle(1)], ids=["fixed", "oracle"])
+def test_sampling_matches_target_distribution(small_pair, policy):
+    assert _is_lossless(*small_pair, policy)
+
+
+def test_distribution_test_catches_a_broken_residual(small_pair, monkeypatch):
+    # The classic bug: resampling from p instead of norm(max(0, p - q)) after a rejection.
+    monkeypatch.setattr(engine, "residual_distribution", lambda p, q: p)
+    assert not _is_lossless(*small_pair, FixedLength(1))
+
+
+def test_distribution_test_catches_a_swapped_residual(small_pair, monkeypatch):
+    def swapped(p, q):
+        mass = (q - p).clamp_min(0)
+        return mass / mass.sum()
+
+    monkeypatch.setattr(engine, "residual_distribution", swapped)
+    assert not _is_lossless(*small_pair, FixedLength(1), samples=100)
+
+
+def test_residual_distribution():
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    q = torch.tensor([0.1, 0.6, 0.2, 0.1])
+    torch.testing.assert_close(engine.residual_distribution(p, q), torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    torch.testing.assert_close(engine.residual_distribution(p, p), p)  # zero mass (no rejection possible): p
+
+
+# ---------------------------------------------------------------------------------------------- caches, EOS, budget
+
+
+def _assert_cache_matches_fresh_forward(model, tokens: torch.Tensor, cache, length: int) -> None:
+    """Continuing `cache` (covering `length` tokens) gives the same next-token logits as a fresh full forward."""
+    assert cache.get_seq_length() == length < tokens.shape[1]
+    with torch.inference_mode():
+        cached = model(input_ids=tokens[:, length:], cache=cache, use_cache=True).logits[0, -1]
+        fresh = model(input_ids=tokens).logits[0, -1]
+    torch.testing.assert_close(cached, fresh, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=1.0)], ids=["greedy", "sampling"])
+def test_caches_stay_consistent_after_rejections(pair, sampling):
+    target, draft = pair
+    for max_new_tokens, policy in ((17, FixedLength(4)), (23, HeuristicSchedule(3)), (20, Oracle(5))):
+        decoder = SpeculativeDecoder(target, draft, policy, sampling, None, V)
+        result = decoder.generate(
+            [7, 2, 9], max_new_tokens, torch.Generator().manual_seed(1), keep_state=True
+        )
+        assert result.stats.rejected_tokens + result.stats.rounds > 1
+        state = result.state
+        assert state.tokens.shape[1] == 3 + max_new_tokens
+        _assert_cache_matches_fresh_forward(target, state.tokens, state.target_cache, state.target_length)
+        _assert_cache_matches_fresh_forward(draft, state.tokens, state.draft_cache, state.draft_length)
+
+
+@pytest.mark.parametrize("draft_is_target", [True, False], ids=["self_draft", "noisy_draft"])
+def test_eos_stops_the_output_there(pair, draft_is_target):
+    target, draft = pair
+    draft = target if draft_is_target else draft
+    prompt = [5, 11, 3]
+    reference = autoregressive(target, prompt, 30, GREEDY, None, V).tokens
+    eos = reference[9]
+    expected = reference[: reference.index(eos) + 1]
+    assert len(expected) >= 3
+    ar = autoregressive(target, prompt, 30, GREEDY, eos, V)
+    assert ar.tokens == expected
+    decoder = SpeculativeDecoder(target, draft, FixedLength(6), GREEDY, [eos, V + 5], V)
+    result = decoder.generate(prompt, 30)
+    assert result.tokens == expected
+    assert result.stats.generated_tokens == len(expected)
+
+
+def test_max_new_tokens_is_respected(pair):
+    target, draft = pair
+    for max_new_tokens in (0, 1, 2, 5, 13):
+        for policy in (FixedLength(4), Oracle(8)):
+            result = SpeculativeDecoder(target, draft, policy, GREEDY, None, V).generate(
+                [1, 2], max_new_tokens
+            )
+            assert len(result.tokens) == result.stats.generated_tokens == max_new_tokens
+        assert len(autoregressive(target, [1, 2], max_new_tokens, GREEDY, None, V).tokens) == max_new_tokens
+
+
+def test_bad_arguments_are_rejected(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="output rows"):
+        SpeculativeDecoder(target, draft, FixedLength(2), GREEDY, None, V + 1)
+    decoder = SpeculativeDecoder(target, draft, FixedLength(2), SamplingConfig(), None, V)
+    with pytest.raises(ValueError, match="Generator"):
+        decoder.generate([1, 2], 4)
+    with pytest.raises(ValueError, match="prompt_ids"):
+        decoder.generate([], 4, torch.Generator())
+    with pytest.raises(ValueError, match=r"\[0, 48\)"):
+        decoder.generate([1, V], 4, torch.Generator())
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        decoder.generate([1, 2], -1, torch.Generator())
+    with pytest.raises(ValueError, match="batch size 1"):
+        decoder.generate(torch.ones(2, 3, dtype=torch.long), 4, torch.Generator())
+
+
+def test_hidden_state_handed_to_policies_is_post_final_norm(pair):
+    _, draft = pair
+    seen: list[torch.Tensor] = []
+
+    class Recorder(FixedLength):
+        needs_hidden_states = True
+
+        def should_stop(self, step):
+            seen.append(step.hidden)
+            return super().should_stop(step)
+
+    prompt = [4, 8, 15]
+    SpeculativeDecoder(draft, draft, Recorder(1), GREEDY, None, V).generate(prompt, 2)
+    with torch.inference_mode():
+        expected = draft.gpt_neox(torch.tensor([prompt])).last_hidden_state[0, -1]  # final_layer_norm applied
+    torch.testing.assert_close(seen[0], expected)
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+
+
+def test_stats_arithmetic_on_a_hand_checked_example():
+    stats = DecodingStats(sequences=1)
+    stats.record_round(4, 2, rejected=True)  # emits 3 tokens, 2 wasted candidates
+    stats.record_round(3, 3, rejected=False)  # emits 4 tokens (bonus)
+    stats.record_round(2, 0, rejected=True)  # emits 1 token
+    stats.generated_tokens = 8
+    stats.target_forwards = 3
+    stats.wall_time_s = 2.0
+    metrics = stats.metrics()
+    assert metrics == {
+        "acceptance_rate": 5 / 7,  # 5 accepted, 2 rejections; the tail after a rejection is ignored
+        "accepted_per_draft": 5 / 9,
+        "tokens_per_target_call": 8 / 3,
+        "mean_draft_length": 3.0,
+        "discard_rate": 4 / 8,
+        "tokens_per_second": 4.0,
+    }
+    assert stats.tested_by_position == [3, 2, 2]
+    assert stats.accepted_by_position == [2, 2, 1]
+    assert stats.acceptance_by_position() == [2 / 3, 1.0, 0.5]
+    assert stats.draft_length_hist == [0, 0, 1, 1, 1]
+    with pytest.raises(ValueError, match="accepted"):
+        stats.record_round(2, 3, rejected=False)
+
+
+def test_stats_aggregate_by_summing_counters():
+    a, b = DecodingStats(sequences=1), DecodingStats(sequences=1)
+    a.record_round(2, 2, rejected=False)
+    a.generated_tokens, a.target_forwards, a.wall_time_s = 3, 1, 1.0
+    b.record_round(5, 0, rejected=True)
+    b.generated_tokens, b.target_forwards, b.wall_time_s = 1, 1, 1.0
+    total = DecodingStats.sum([a, b])
+    assert total.sequences == 2 and total.drafted_tokens == 7
+    assert total.metrics()["acceptance_rate"] == 2 / 3  # pooled, not the mean of 1.0 and 0.0
+    assert total.draft_length_hist == [0, 0, 1, 0, 0, 1]
+    assert total.to_dict()["tokens_per_second"] == 2.0
+    baseline = DecodingStats(generated_tokens=4, target_forwards=4, wall_time_s=4.0)
+    assert speedup(total, baseline) == 2.0
+    empty = DecodingStats().metrics()
+    assert all(value is None for value in empty.values())  # undefined, never NaN
+
+
+def test_engine_stats_are_consistent(pair):
+    target, draft = pair
+    decoder = SpeculativeDecoder(target, draft, FixedLength(3), GREEDY, None, V)
+    stats = DecodingStats.sum([decoder.generate(p, 16).stats for p in _prompts(4, seed=3)])
+    assert stats.generated_tokens == 64
+    assert stats.target_forwards == stats.rounds
+    # every round emits its accepted candidates plus one target token
+    assert stats.generated_tokens == stats.accepted_tokens + stats.rounds
+    assert 0 < stats.metrics()["acceptance_rate"] < 1
+    assert sum(stats.draft_length_hist) == stats.rounds
+    assert stats.draft_forwards == stats.drafted_tokens  # one draft forward per candidate, none recomputed
+    assert stats.draft_time_s > 0 and stats.target_time_s > 0
+    assert stats.draft_time_s + stats.target_time_s <= stats.wall_time_s * 1.05
