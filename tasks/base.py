@@ -121,6 +121,10 @@ class Task:
         """Task metric of one generated continuation, in [0, 1]."""
         raise NotImplementedError
 
+    def valid_record(self, record: Record) -> bool:
+        """Whether a record is usable; a subclass that overrides this has the others skipped (and counted) on load."""
+        return True
+
     @property
     def scoring_available(self) -> bool:
         """Whether `score` can run as configured (code tasks need `execute_code: true`)."""
@@ -168,6 +172,19 @@ class Task:
             train = self._load_source("train")
             start, stop = self._holdout_bounds(len(train))[split]
             ds = train.select(range(start, stop))
+        missing = [c for c in self.required_columns if c not in ds.column_names]
+        if missing and len(ds):
+            raise TaskDataError(
+                f"Split {split!r} of task {self.name!r} lacks columns {missing} (has {ds.column_names}); "
+                f"records need the schema {list(self.required_columns)}."
+            )
+        if type(self).valid_record is not Task.valid_record and len(ds):
+            n_before = len(ds)
+            ds = ds.filter(self.valid_record)
+            if len(ds) < n_before:
+                log.warning(
+                    "%s/%s: skipped %d of %d unusable records", self.name, split, n_before - len(ds), n_before
+                )
         limit = self.max_examples.get(split)
         if limit is not None:
             ds = ds.select(range(min(limit, len(ds))))
@@ -175,12 +192,6 @@ class Task:
             raise TaskDataError(
                 f"Split {split!r} of task {self.name!r} is empty ({self._describe_source(split)}); "
                 "check the data file or the split / max_examples settings."
-            )
-        missing = [c for c in self.required_columns if c not in ds.column_names]
-        if missing:
-            raise TaskDataError(
-                f"Split {split!r} of task {self.name!r} lacks columns {missing} (has {ds.column_names}); "
-                f"records need the schema {list(self.required_columns)}."
             )
         return ds
 

@@ -326,3 +326,26 @@ def test_lightning_sets_epochs_and_checkpoints_the_data_state(tok, tmp_path):
     trainer.save_checkpoint(tmp_path / "last.ckpt")
     ckpt = torch.load(tmp_path / "last.ckpt", weights_only=False)
     assert ckpt["TaskDataModule"] == {"epoch": 1, "seed": 3}
+
+
+def test_chat_task_end_to_end(tok):
+    from pathlib import Path
+
+    from tasks.sharegpt import ShareGPT
+
+    chat = copy.deepcopy(tok)
+    chat.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    fixture = Path(__file__).parent / "fixtures" / "sharegpt" / "train.jsonl"
+    task = ShareGPT(data_files=str(fixture), holdout={})
+    dm = TaskDataModule(task, chat, max_length=256)
+    row = dm.tokenized("train")[0]
+    prompt = chat("<user>What is the capital of France?\n<assistant>")["input_ids"]
+    answer = chat("The capital of France is Paris.")["input_ids"] + [chat.eos_token_id]
+    assert row["input_ids"] == prompt + answer
+    assert row["labels"] == [IGNORE_INDEX] * len(prompt) + answer
+    with pytest.raises(ValueError, match="chat_template is false"):
+        render_prompt(ShareGPT(data_files=str(fixture), chat_template=False), {"conversations": [
+            {"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}, chat)  # fmt: skip

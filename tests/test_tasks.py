@@ -10,6 +10,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from tasks.base import TaskDataError
+from tasks.code_execution import CodeExecutionDisabledError, run_python
 from tasks.gsm8k import GSM8K
 from tasks.metrics import normalise_number, rouge_l_f
 
@@ -127,3 +128,126 @@ def test_rouge_l_f():
     # LCS "the cat the mat" = 4 of 6 prediction tokens and 4 of 5 reference tokens
     p, r = 4 / 6, 4 / 5
     assert rouge_l_f("The cat, sat on the mat!", "the cat ate the mat") == pytest.approx(2 * p * r / (p + r))
+
+
+# ---------------------------------------------------------------- the other tasks on their fixtures
+def data_files_override(task: str, ext: str = "parquet") -> str:
+    files = fixture_files(task, ext)
+    return "data_files={" + ",".join(f"{split}:{path}" for split, path in files.items()) + "}"
+
+
+def test_alpaca_formatting_and_rouge():
+    task = compose_task("alpaca", data_files_override("alpaca"), "holdout={validation:1,test:1}")
+    train, test = task.load_split("train"), task.load_split("test")
+    assert len(train) == 3 and test[0]["output"] == "Joyful."
+    assert task.prompt(train[0]) == (
+        "Below is an instruction that describes a task. Write a response that appropriately completes the request."
+        "\n\n### Instruction:\nGive three tips for staying healthy.\n\n### Response:\n"
+    )
+    assert task.prompt(train[1]) == (
+        "Below is an instruction that describes a task, paired with an input that provides further context. Write a "
+        "response that appropriately completes the request.\n\n### Instruction:\nTranslate the sentence into French."
+        "\n\n### Input:\nGood morning.\n\n### Response:\n"
+    )
+    assert task.prompt(train[1]) + task.answer(train[1]) == train[1]["text"]  # the dataset's own formatting
+    assert task.answer(train[0]) == "1. Eat a balanced diet.\n2. Exercise regularly.\n3. Sleep enough."
+    assert task.metric_name == "rougeL"
+    assert task.score("  Bonjour. ", train[1]) == 1.0 and task.score("Hello.", train[1]) == 0.0
+
+
+def test_xsum_and_cnn_dailymail_formatting():
+    xsum = compose_task("xsum", data_files_override("xsum"))
+    record = xsum.load_split("validation")[0]
+    assert xsum.prompt(record) == (
+        "The council of Ely voted on Tuesday to open a new library next spring. Officials said the building would "
+        "also host evening classes.\n\nSummarize the above article in one sentence.\n"
+    )
+    assert xsum.answer(record) == "Ely will get a new library next spring."
+    assert xsum.score("Ely will get a new library next spring.", record) == 1.0
+    cnn = compose_task("cnn_dailymail", data_files_override("cnn_dailymail"))
+    record = cnn.load_split("test")[2]
+    assert cnn.prompt(record).startswith("(Phoenix) -- Heavy rain flooded streets in Phoenix on Monday.")
+    assert cnn.prompt(record).endswith("by Thursday.\n\nWrite the highlights of the above article.\n")
+    assert (
+        cnn.answer(record)
+        == "Heavy rain floods streets in Phoenix .\nSchools close early and buses are delayed ."
+    )
+    assert 0.0 < cnn.score("Heavy rain floods Phoenix.", record) < 1.0
+    assert cnn.metric_name == "rougeL" and cnn.available_splits == ("train", "validation", "test")
+
+
+def test_mbpp_formatting_and_opt_in_execution():
+    task = compose_task("mbpp", data_files_override("mbpp"))
+    record = task.load_split("train")[0]
+    assert task.prompt(record) == (
+        "You are an expert Python programmer, and here is your task: Write a python function to find the first "
+        'repeated character in a given string. Your code should pass these tests:\n\nassert first_repeated_char("abcabc")'
+        ' == "a"\nassert first_repeated_char("abc") is None\n'
+    )
+    assert "\r" not in task.answer(record) and task.answer(record).startswith("def first_repeated_char(s):\n")
+    assert (
+        task.extract_answer("Here:\n```python\ndef f():\n    return 1\n```\nDone.")
+        == "def f():\n    return 1"
+    )
+    assert task.metric_name == "pass@1" and not task.scoring_available
+    with pytest.raises(CodeExecutionDisabledError, match="task.execute_code=true"):
+        task.score(task.answer(record), record)
+    runs = compose_task("mbpp", data_files_override("mbpp"), "execute_code=true", "timeout_s=5")
+    test = runs.load_split("test")
+    assert runs.scoring_available
+    assert runs.score(runs.answer(test[1]), test[1]) == 1.0  # needs its test_setup_code ("import math")
+    assert runs.score("def count_vowels(s):\n    return 0", test[0]) == 0.0
+
+
+def test_humaneval_is_evaluation_only_and_scores_by_execution():
+    task = compose_task("humaneval", data_files_override("humaneval"), "execute_code=true")
+    assert not task.train_available and task.available_splits == ("test",)
+    with pytest.raises(TaskDataError, match="has no 'train' split"):
+        task.load_split("train")
+    record = task.load_split("test")[1]
+    assert task.prompt(record).startswith("def is_palindrome(text: str) -> bool:\n")
+    assert task.answer(record) == "    return text == text[::-1]\n"
+    completion = "    return text == text[::-1]\n\n\ndef unrelated():\n    raise SystemExit(1)\n"
+    assert task.extract_answer(completion) == "    return text == text[::-1]"  # cut at the next top-level def
+    assert task.score(completion, record) == 1.0
+    assert task.score("    return True\n", record) == 0.0
+    # a single file is the test split of an evaluation-only task
+    single = compose_task("humaneval", f"data_files={fixture_files('humaneval')['test']}")
+    assert len(single.load_split("test")) == 3
+
+
+def test_sharegpt_chat_messages():
+    task = compose_task(
+        "sharegpt", f"data_files={FIXTURES / 'sharegpt' / 'train.jsonl'}", "holdout={validation:1,test:1}"
+    )
+    assert task.chat_template
+    records = task.load_split("train").to_list() + task.load_split("test").to_list()
+    assert [r["id"] for r in records] == ["a1", "a2", "a5"]  # a3 (no user turn) skipped; a4 is validation
+    assert task.prompt(records[1]) == [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Say hi."},
+        {"role": "assistant", "content": "Hi."},
+        {"role": "user", "content": "Now say bye."},
+    ]
+    assert task.answer(records[1]) == "Bye."  # the trailing unanswered "Thanks!" is dropped
+    assert task.answer(records[0]) == "The capital of France is Paris."
+    assert task.score("Paris is the capital of France.", records[0]) == pytest.approx(
+        4 / 6
+    )  # LCS "the capital of france"
+    with pytest.raises(TaskDataError, match="no hub dataset"):
+        compose_task("sharegpt").load_split("train")
+
+
+def test_run_python_timeout_and_failure():
+    assert run_python("assert sum([1, 2]) == 3").passed
+    failed = run_python("raise ValueError('boom')")
+    assert not failed.passed and not failed.timed_out and "boom" in failed.stderr_tail
+    slow = run_python("while True:\n    pass", timeout_s=0.5)
+    assert slow.timed_out and not slow.passed
+
+
+def test_every_task_config_composes():
+    for path in sorted((ROOT / "conf" / "task").glob("*.yaml")):
+        task = compose_task(path.stem)
+        assert task.name == path.stem
+        assert task.metric_name in {"accuracy", "rougeL", "pass@1"}
