@@ -212,3 +212,118 @@ def test_reliability_diagram_png(tmp_path):
     torch.manual_seed(0)
     path = write_reliability_diagram(torch.randn(100), torch.rand(100), tmp_path / "sub" / "rel.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- mixing and the Lightning module ----------------------------------------------------------------------------
+
+
+def test_mix_sequence_puts_loss_only_on_draft_tokens():
+    from specdistill.rollout.data import mix_sequence
+
+    response = torch.arange(100, 400)
+    draft = torch.arange(1000, 1300)  # disjoint from the response, so every position is identifiable
+    mixed, is_draft = mix_sequence(response, draft, r=0.15, generator=torch.Generator().manual_seed(0))
+    assert is_draft.dtype == torch.bool
+    assert torch.equal(mixed[is_draft], draft[is_draft]) and torch.equal(
+        mixed[~is_draft], response[~is_draft]
+    )
+    assert 0.75 < is_draft.float().mean() < 0.95  # about 1 - r of the positions hold draft tokens
+    same = torch.arange(5)
+    _, all_draft = mix_sequence(same, same.clone(), r=0.0)
+    assert all_draft.all()  # a draft token equal to the target token still carries the loss
+    _, none_draft = mix_sequence(same, same.clone(), r=1.0)
+    assert not none_draft.any()
+    with pytest.raises(ValueError, match="mixing ratio"):
+        mix_sequence(same, same, r=1.5)
+
+
+@pytest.fixture(scope="module")
+def head_setup(tmp_path_factory):
+    """Rollouts of a tiny GPT-NeoX pair (vocab 40) and a matching hidden-state cache."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from specdistill.decoding.sampling import SamplingConfig
+    from specdistill.rollout import build_hidden_cache, run_rollouts
+
+    def lm(seed: int, hidden: int) -> GPTNeoXForCausalLM:
+        torch.manual_seed(seed)
+        config = GPTNeoXConfig(vocab_size=40, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=2,
+                               intermediate_size=2 * hidden, max_position_embeddings=64, eos_token_id=1)  # fmt: skip
+        return GPTNeoXForCausalLM(config).eval()
+
+    target, draft = lm(0, 32), lm(1, 16)
+    root = tmp_path_factory.mktemp("head")
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 40, (int(torch.randint(2, 6, (), generator=gen)),), generator=gen).tolist()
+               for _ in range(12)]  # fmt: skip
+    run_rollouts(target, draft, prompts, root / "rollouts", SamplingConfig(temperature=1.0), max_new_tokens=8,
+                 batch_size=6, shard_size=6, seed=0, vocab_size=40)  # fmt: skip
+    build_hidden_cache(draft, root / "rollouts", root / "cache", mixing_ratio=0.15, seed=0, batch_size=6,
+                       shard_size=12, dtype="float32")  # fmt: skip
+    return draft, root
+
+
+def _module(draft, cache: bool = False, lr: float = 1e-2):
+    from functools import partial
+
+    from specdistill.modules.acceptance_head import AcceptanceHeadModule
+    from specdistill.utils.schedules import cosine
+
+    torch.manual_seed(0)
+    return AcceptanceHeadModule(
+        head=AcceptanceHead(16, 3),
+        draft=None if cache else draft,
+        optimizer=partial(torch.optim.AdamW, lr=lr),
+        scheduler=partial(cosine, warmup_fraction=0.03),
+        cache_hidden_states=cache,
+    )
+
+
+def _datamodule(root, cache: bool = False):
+    from specdistill.rollout import RolloutDataModule
+
+    return RolloutDataModule(str(root / "rollouts"), batch_size=4, mixing_ratio=0.15, val_fraction=0.25, seed=0,
+                             hidden_cache_dir=str(root / "cache") if cache else None)  # fmt: skip
+
+
+def _trainer(root, **kwargs):
+    import lightning as L
+
+    defaults = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                    num_sanity_val_steps=0, default_root_dir=str(root))  # fmt: skip
+    return L.Trainer(**{**defaults, **kwargs})
+
+
+def test_head_module_fit_lowers_loss_and_checkpoint_has_no_draft(head_setup, tmp_path):
+    draft, root = head_setup
+    module, data = _module(draft), _datamodule(root)
+    before = _trainer(tmp_path).validate(module, datamodule=data, verbose=False)[0]
+    assert set(before) == {"val/head_bce", "val/binary_kl", "val/auroc_rejection", "val/ece"}
+    trainer = _trainer(tmp_path, max_steps=12, enable_checkpointing=False, check_val_every_n_epoch=1000)
+    trainer.fit(module, datamodule=data)
+    after = trainer.validate(module, datamodule=data, verbose=False)[0]
+    assert after["val/head_bce"] < before["val/head_bce"]
+    assert (tmp_path / "reliability_diagram.png").is_file()
+    trainer.save_checkpoint(tmp_path / "head.ckpt")
+    state = torch.load(tmp_path / "head.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    assert state and all(key.startswith("head.") for key in state)
+    assert all(p.requires_grad is False for p in draft.parameters())
+
+
+def test_head_module_on_cached_hidden_states_matches_running_the_draft(head_setup, tmp_path):
+    draft, root = head_setup
+    live = _trainer(tmp_path).validate(_module(draft), datamodule=_datamodule(root), verbose=False)[0]
+    cached_module = _module(draft, cache=True)
+    assert cached_module.draft is None
+    cached = _trainer(tmp_path).validate(
+        cached_module, datamodule=_datamodule(root, cache=True), verbose=False
+    )[0]
+    for key, value in live.items():  # same head, same fixed validation mixing: same metrics
+        assert cached[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    _trainer(tmp_path, max_steps=2).fit(cached_module, datamodule=_datamodule(root, cache=True))
+    with pytest.raises(ValueError, match="hidden_states"):
+        cached_module.head_logits({"loss_mask": torch.ones(1, 1, dtype=torch.bool)})
+    with pytest.raises(ValueError, match="hidden_size"):
+        from specdistill.modules.acceptance_head import AcceptanceHeadModule
+
+        AcceptanceHeadModule(AcceptanceHead(8), draft, optimizer=torch.optim.AdamW)
