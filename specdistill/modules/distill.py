@@ -98,6 +98,18 @@ class DistillModule(LightningModule):
         draft_rows = answer_logits(self.draft, batch, keep, self.vocab_size)
         return keep, target_rows, draft_rows
 
+    def loss_normaliser(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """What the per-token loss sum of a micro-batch is divided by (see ARCHITECTURE.md, batches).
+
+        Data-parallel runs use `global_window_answer_tokens / world_size`: DDP averages the devices' gradients, so
+        the update is then the sum over every device's answer tokens divided by their total, however unevenly the
+        tokens fall on devices. On one device this is `window_answer_tokens`.
+        """
+        world_size = self._trainer.world_size if self._trainer is not None else 1
+        if world_size > 1 and "global_window_answer_tokens" in batch:
+            return torch.as_tensor(batch["global_window_answer_tokens"]).float() / world_size
+        return torch.as_tensor(batch["window_answer_tokens"]).float()
+
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
         if "window_answer_tokens" not in batch:
             raise ValueError(
@@ -106,7 +118,7 @@ class DistillModule(LightningModule):
             )
         answers, target_rows, draft_rows = self._answer_logits(batch)
         per_token = self.divergence(target_rows, draft_rows)
-        normaliser = torch.as_tensor(batch["window_answer_tokens"], device=per_token.device)
+        normaliser = self.loss_normaliser(batch).to(per_token.device)
         keep = None
         if self.token_selector is not None:
             rows = torch.arange(answers.shape[0], device=answers.device)
