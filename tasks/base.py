@@ -92,12 +92,8 @@ class Task:
         self.config_name = config_name or self.default_config_name
         self.splits = _split_mapping(self.default_splits if splits is None else splits, "splits")
         self.data_files = _normalise_data_files(data_files)
-        self.holdout = {
-            k: int(v)
-            for k, v in _split_mapping(
-                self.default_holdout if holdout is None else holdout, "holdout"
-            ).items()
-        }
+        carved = _split_mapping(self.default_holdout if holdout is None else holdout, "holdout")
+        self.holdout = {k: int(v) for k, v in carved.items()}
         if any(n <= 0 for n in self.holdout.values()) or "train" in self.holdout:
             raise ValueError(f"holdout={self.holdout}: give positive counts for validation and/or test only.")
         self.max_examples = _max_examples(max_examples)
