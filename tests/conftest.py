@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,10 +22,17 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
+# Generated artefacts (the arith tokenizer, datasets' Arrow caches) go to a per-session folder, never the user's
+# caches; set before any test module imports `datasets`, which reads the variable at import time.
+_SESSION_CACHE = Path(tempfile.mkdtemp(prefix="specdistill_tests_"))
+os.environ["SPECDISTILL_CACHE"] = str(_SESSION_CACHE / "specdistill")
+os.environ["HF_DATASETS_CACHE"] = str(_SESSION_CACHE / "hf_datasets")
+
+
 @pytest.fixture(scope="session", autouse=True)
-def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Generated artefacts (the arith tokenizer) go to a per-session cache, never the user's."""
-    os.environ["SPECDISTILL_CACHE"] = str(tmp_path_factory.mktemp("specdistill_cache"))
+def _remove_session_cache():
+    yield
+    shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

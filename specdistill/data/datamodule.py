@@ -238,6 +238,10 @@ class TaskDataModule(L.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         return self._loader("test", self.eval_batch_size, 1, shuffle=False)
 
+    def scoring_dataloader(self, split: str) -> DataLoader:
+        """Every example of `split` once, in `example_id` order (for offline passes such as reference scoring)."""
+        return self._loader(split, self.eval_batch_size, 1, shuffle=False)
+
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict[str, int]:
         """The shuffling state saved in Lightning checkpoints: `{"epoch", "seed"}`."""

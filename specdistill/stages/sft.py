@@ -38,7 +38,7 @@ def run(cfg: DictConfig) -> dict:
     result = {"stage": "sft", **logged_metrics(trainer, ["val/loss"])}
     export = export_pretrained(module.model, tokenizer, out_dir / "export", {"stage": "sft", "task": cfg.task.name})
     result["export"] = str(export)
-    if settings.eval_examples:
+    if settings.eval_examples and datamodule.task.scoring_available:
         prompts = datamodule.prompts("test")[: settings.eval_examples]
         texts = greedy_texts(
             module.model, tokenizer, [p["prompt_ids"] for p in prompts], settings.eval_max_new_tokens
