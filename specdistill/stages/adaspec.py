@@ -27,7 +27,6 @@ from specdistill.stages.common import (
     build_trainer,
     fit,
     load_models,
-    logged_metrics,
     model_spec,
     seed_everything,
     stage_dir,
@@ -61,7 +60,9 @@ def run(cfg: DictConfig) -> dict:
     seed_everything(cfg)
     specs = {
         "target": model_spec(cfg.models.target),
-        "reference": ModelSpec(pretrained_model_name_or_path=settings.reference, dtype=cfg.models.draft.dtype),
+        "reference": ModelSpec(
+            pretrained_model_name_or_path=settings.reference, dtype=cfg.models.draft.dtype
+        ),
         "draft": model_spec(cfg.models.draft),
     }
     tokenizer, models, vocab_size = load_models(cfg, specs)
@@ -120,4 +121,3 @@ def reference_scores(
     )
     meta.write_text(json.dumps({"fingerprint": fingerprint}))
     return rows
-

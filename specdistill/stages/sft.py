@@ -36,7 +36,9 @@ def run(cfg: DictConfig) -> dict:
     trainer = build_trainer(cfg, out_dir, settings)
     fit(trainer, module, datamodule)
     result = {"stage": "sft", **logged_metrics(trainer, ["val/loss"])}
-    export = export_pretrained(module.model, tokenizer, out_dir / "export", {"stage": "sft", "task": cfg.task.name})
+    export = export_pretrained(
+        module.model, tokenizer, out_dir / "export", {"stage": "sft", "task": cfg.task.name}
+    )
     result["export"] = str(export)
     if settings.eval_examples and datamodule.task.scoring_available:
         prompts = datamodule.prompts("test")[: settings.eval_examples]
