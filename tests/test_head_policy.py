@@ -114,3 +114,97 @@ def test_policy_requires_hidden_state_and_loads_from_directory(tmp_path):
     assert policy.threshold == 0.3 and policy.stop_min_length == 2 and policy.max_draft_length == 20
     with pytest.raises(ValueError, match="hidden"):
         policy.should_stop(DraftStep(index=1, token=0, draft_probs=torch.ones(4) / 4, hidden=None))
+
+
+# --- with the engine --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine_pair():
+    # Tiny models are dominated by per-op overhead: extra threads only contend with other test processes.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    from specdistill.decoding.toy import perturbed_copy, tiny_gpt_neox
+
+    target = tiny_gpt_neox(40, hidden_size=32, num_layers=2, initializer_range=0.3, seed=0)
+    yield target, perturbed_copy(target, noise=0.6, seed=1)
+    torch.set_num_threads(threads)
+
+
+def _trained_looking_head(hidden_size: int) -> AcceptanceHead:
+    torch.manual_seed(0)
+    head = AcceptanceHead(hidden_size, num_blocks=3)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.2)
+        head.out.bias.fill_(2.0)  # mostly confident, so rounds of varied length happen
+    return head
+
+
+@pytest.mark.parametrize("score_newest", [False, True])
+def test_greedy_output_under_head_policy_equals_target_greedy(engine_pair, score_newest):
+    from specdistill.decoding.engine import SpeculativeDecoder, autoregressive
+    from specdistill.decoding.sampling import SamplingConfig
+
+    target, draft = engine_pair
+    greedy = SamplingConfig(greedy=True)
+    policy = AcceptanceHeadPolicy(_trained_looking_head(32), threshold=0.5, max_draft_length=8,
+                                  score_newest=score_newest)  # fmt: skip
+    decoder = SpeculativeDecoder(target, draft, policy, greedy, None, 40)
+    lengths = set()
+    for prompt in ([3, 1, 4], [15, 9]):
+        reference = autoregressive(target, prompt, 16, greedy, None, 40).tokens
+        result = decoder.generate(prompt, 16)
+        assert result.tokens == reference
+        lengths.update(length for length, count in enumerate(result.stats.draft_length_hist) if count)
+    assert len(lengths) > 1  # the head actually varied the draft length
+
+
+class _Recorder(AcceptanceHeadPolicy):
+    """Records each scored hidden state with the round's start, to compare against a full forward pass."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.records: list[tuple[int, int, torch.Tensor]] = []  # (round, index, hidden)
+        self.rounds: list[int] = []  # tokens emitted per round
+
+    def begin_round(self) -> None:
+        super().begin_round()
+        self.rounds.append(0)
+
+    def should_stop(self, step):
+        self.records.append((len(self.rounds) - 1, step.index, step.hidden.clone()))
+        return super().should_stop(step)
+
+    def end_round(self, num_drafted: int, num_accepted: int) -> None:
+        assert num_accepted == num_drafted  # draft == target in greedy mode: everything is accepted
+        self.rounds[-1] = num_drafted + 1  # candidates plus the bonus token
+
+
+@pytest.mark.parametrize("score_newest", [False, True])
+def test_policy_sees_the_hidden_states_the_head_is_trained_on(engine_pair, score_newest):
+    """The decoding-time hidden state of a candidate equals `draft_hidden_states` (the training input) at the
+    position whose input token is that candidate (score_newest), or the previous token (public code)."""
+    from specdistill.decoding.engine import SpeculativeDecoder
+    from specdistill.decoding.sampling import SamplingConfig
+    from specdistill.models.acceptance_head import draft_hidden_states
+
+    target, _ = engine_pair
+    policy = _Recorder(
+        _trained_looking_head(32), threshold=0.5, max_draft_length=5, score_newest=score_newest
+    )
+    prompt = [3, 1, 4, 1]
+    result = SpeculativeDecoder(target, target, policy, SamplingConfig(greedy=True), None, 40).generate(
+        prompt, 18
+    )
+    sequence = torch.tensor([prompt + result.tokens])
+    with torch.no_grad():
+        full = draft_hidden_states(target, sequence)[0]
+    starts = [len(prompt) + sum(policy.rounds[:r]) for r in range(len(policy.rounds))]
+    checked = 0
+    for round_index, index, hidden in policy.records:
+        # candidate `index` of a round sits at start + index - 1; one-behind scoring reads the token before it
+        position = starts[round_index] + index - (1 if score_newest else 2)
+        torch.testing.assert_close(hidden, full[position], rtol=1e-4, atol=1e-4)
+        checked += 1
+    assert checked >= 5

@@ -24,6 +24,15 @@ VOCAB = 48  # real vocabulary; the models carry 2 padded rows more
 EOS, PAD = 1, 0
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # Tiny models are dominated by per-op overhead: extra threads only contend with other test processes.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_lm(seed: int, hidden: int = 32) -> GPTNeoXForCausalLM:
     torch.manual_seed(seed)
     config = GPTNeoXConfig(
