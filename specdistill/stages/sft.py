@@ -35,6 +35,7 @@ def run(cfg: DictConfig) -> dict:
     )
     trainer = build_trainer(cfg, out_dir, settings)
     fit(trainer, module, datamodule)
+    trainer.validate(module, datamodule=datamodule, verbose=False)
     result = {"stage": "sft", **logged_metrics(trainer, ["val/loss"])}
     export = export_pretrained(
         module.model, tokenizer, out_dir / "export", {"stage": "sft", "task": cfg.task.name}
