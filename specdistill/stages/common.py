@@ -83,13 +83,25 @@ def build_trainer(
     """A Lightning Trainer from `conf/trainer`, writing logs and checkpoints under `out_dir`."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
+    # scale-out (specdistill/utils/cluster.py, strategy.py): fail early on missing GPUs/nodes or another run's
+    # directory; checkpoint every N optimizer steps if asked, and on the cluster's requeue signal.
+    from specdistill.utils.cluster import scaleout_callbacks
+    from specdistill.utils.strategy import check_devices
+
+    check_devices(cfg.trainer)
+    scaleout = scaleout_callbacks(cfg, out_dir)
     logger = instantiate(cfg.logger, save_dir=str(out_dir)) if cfg.get("logger") else False
-    checkpoint = ModelCheckpoint(dirpath=out_dir / "checkpoints", save_last=True, save_top_k=0)
+    checkpoint = ModelCheckpoint(
+        dirpath=out_dir / "checkpoints",
+        save_last=True,
+        save_top_k=0,
+        every_n_train_steps=cfg.get("checkpoint_every_n_steps"),
+    )
     return instantiate(
         cfg.trainer,
         default_root_dir=str(out_dir),
         logger=logger,
-        callbacks=[checkpoint, *(callbacks or [])],
+        callbacks=[checkpoint, *scaleout, *(callbacks or [])],
         max_epochs=settings.max_epochs,
         max_steps=settings.max_steps,
         accumulate_grad_batches=settings.accumulate_grad_batches,
@@ -101,7 +113,8 @@ def build_trainer(
 def fit(trainer: L.Trainer, module: L.LightningModule, datamodule: L.LightningDataModule) -> None:
     """Fit, resuming from `<out_dir>/checkpoints/last.ckpt` when a previous run left one."""
     last = Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
-    ckpt_path = str(last) if last.is_file() else None
+    # a DeepSpeed checkpoint is a directory
+    ckpt_path = str(last) if last.exists() else None
     if ckpt_path:
         log.info("resuming from %s", ckpt_path)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
