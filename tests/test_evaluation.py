@@ -1,0 +1,189 @@
+"""Evaluation runner, report files, table and the validation-only selection helpers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from specdistill.decoding.policies import FixedLength, HeuristicSchedule, Oracle
+from specdistill.decoding.sampling import SamplingConfig
+from specdistill.decoding.toy import perturbed_copy, tiny_gpt_neox
+from specdistill.evaluation import best_fixed_length, evaluate_policies, format_table, select_policy
+from specdistill.evaluation.report import TABLE_COLUMNS
+
+V = 40
+GREEDY = SamplingConfig(greedy=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def models_():
+    target = tiny_gpt_neox(V, hidden_size=32, num_layers=2, initializer_range=0.3, seed=0)
+    return target, {"noisy": perturbed_copy(target, noise=0.6, seed=1), "self": target}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    vocab = {f"w{i}": i for i in range(V - 1)} | {"</s>": V - 1}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="w0")
+
+
+def _prompts(count: int = 3) -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+    return [
+        {
+            "prompt_ids": torch.randint(0, V - 1, (4,), generator=gen).tolist(),
+            "record": {"id": i},
+            "example_id": i,
+        }
+        for i in range(count)
+    ]
+
+
+def _even_fraction(ids, record):
+    """Toy task metric on token ids; record 2 is 'unscorable'."""
+    if record["id"] == 2:
+        return None
+    return sum(1 for t in ids if t % 2 == 0) / max(len(ids), 1)
+
+
+def test_report_has_baseline_and_every_draft_policy_pair(models_, tmp_path):
+    target, drafts = models_
+    policies = {"k3": FixedLength(3), "heuristic": HeuristicSchedule(2, max_draft_length=6)}
+    report = evaluate_policies(
+        target, drafts, policies, _prompts(), _even_fraction, None, GREEDY, 12, seed=0, vocab_size=V
+    )
+    names = [e.name for e in report.entries]
+    assert names == ["autoregressive", "noisy/k3", "noisy/heuristic", "self/k3", "self/heuristic"]
+    base = report.baseline
+    for e in report.entries:
+        # greedy decoding is lossless: every configuration reproduces the baseline's outputs and task metric
+        assert [o["tokens"] for o in e.outputs] == [o["tokens"] for o in base.outputs]
+        assert e.task_metric == base.task_metric and e.num_scored == 2
+        assert e.stats.generated_tokens == 3 * 12
+    data = report.to_dict()
+    metrics = {e["name"]: e["metrics"] for e in data["entries"]}
+    assert metrics["autoregressive"]["speedup"] == 1.0
+    assert metrics["autoregressive"]["acceptance_rate"] is None
+    assert metrics["self/k3"]["acceptance_rate"] == 1.0 and metrics["self/k3"]["tokens_per_target_call"] > 3
+    assert 0 < metrics["noisy/k3"]["acceptance_rate"] < 1
+    assert all(set(TABLE_COLUMNS) <= set(m) for m in metrics.values())
+    assert all(m["speedup"] > 0 for m in metrics.values())
+
+    report.save(tmp_path)
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved == json.loads(json.dumps(data))
+    assert len((tmp_path / "outputs.jsonl").read_text().splitlines()) == 5 * 3
+    for png in ("acceptance_by_position.png", "draft_length_hist.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_text_scoring_through_the_tokenizer(models_, tokenizer):
+    target, drafts = models_
+    seen: list[str] = []
+
+    def score(text, record):
+        seen.append(text)
+        return float(text.startswith("w"))
+
+    report = evaluate_policies(
+        target,
+        {"noisy": drafts["noisy"]},
+        {"oracle": Oracle(4)},
+        _prompts(2),
+        score,
+        tokenizer,
+        SamplingConfig(temperature=1.0),
+        10,
+        seed=3,
+        task_metric_name="starts_with_w",
+        split="validation",
+    )
+    assert len(seen) == 4 and all(isinstance(t, str) for t in seen)
+    assert report.settings["vocab_size"] == V and report.settings["split"] == "validation"
+    assert "starts_with_w" in format_table(report)
+    for e in report.entries:  # EOS (the tokenizer's) ends outputs: nothing after it
+        for o in e.outputs:
+            assert V - 1 not in o["tokens"][:-1]
+
+
+def test_format_table_is_a_pure_readable_function():
+    entry = {
+        "name": "autoregressive",
+        "metrics": {c: None for c in TABLE_COLUMNS} | {"tokens_per_second": 123.4567, "speedup": 1.0},
+        "task_metric": 0.5,
+    }
+    other = {"name": "d/k4", "metrics": {c: 0.25 for c in TABLE_COLUMNS}, "task_metric": None}
+    data = {"settings": {"task_metric_name": "accuracy"}, "entries": [entry, other]}
+    table = format_table(data)
+    assert table == format_table(data)
+    lines = table.splitlines()
+    assert lines[0].split() == ["name", *TABLE_COLUMNS, "accuracy"]
+    assert lines[2].split() == ["autoregressive", "-", "-", "-", "-", "-", "123.457", "1.000", "0.500"]
+    assert lines[3].split() == ["d/k4", *(["0.250"] * len(TABLE_COLUMNS)), "-"]
+
+
+def test_selection_refuses_the_test_split(models_):
+    target, drafts = models_
+    with pytest.raises(ValueError, match="test split"):
+        best_fixed_length(target, drafts["noisy"], [1, 2], _prompts(1), GREEDY, 8, split="test", vocab_size=V)
+    with pytest.raises(ValueError, match="criterion"):
+        select_policy(
+            target,
+            drafts["noisy"],
+            {"a": FixedLength(1)},
+            _prompts(1),
+            GREEDY,
+            8,
+            "validation",
+            criterion="accuracy",
+            vocab_size=V,
+        )
+
+
+def test_best_fixed_length_picks_by_the_criterion(models_):
+    target, drafts = models_
+    prompts = _prompts(2)
+    # a self-draft accepts everything, so tokens per target call grows with K: the longest K must win
+    best, values = best_fixed_length(
+        target,
+        drafts["self"],
+        [1, 2, 4],
+        prompts,
+        GREEDY,
+        12,
+        split="validation",
+        criterion="tokens_per_target_call",
+        vocab_size=V,
+    )
+    assert best == 4 and values[1] < values[2] < values[4]
+    best, values = best_fixed_length(
+        target, drafts["noisy"], [1, 3], prompts, GREEDY, 12, "validation", vocab_size=V
+    )
+    assert best in (1, 3) and all(v > 0 for v in values.values())
+
+
+def test_bad_inputs_are_rejected(models_):
+    target, drafts = models_
+    args = (target, drafts, {"k": FixedLength(2)})
+    with pytest.raises(ValueError, match="no prompts"):
+        evaluate_policies(*args, [], None, None, GREEDY, 4, vocab_size=V)
+    with pytest.raises(ValueError, match="example_id"):
+        evaluate_policies(*args, [{"prompt_ids": [1], "record": {}}], None, None, GREEDY, 4, vocab_size=V)
+    with pytest.raises(ValueError, match="vocab_size"):
+        evaluate_policies(*args, _prompts(1), None, None, GREEDY, 4)
+    with pytest.raises(ValueError, match="unknown draft or policy"):
+        evaluate_policies(*args, _prompts(1), None, None, GREEDY, 4, vocab_size=V, combinations=[("x", "k")])
