@@ -336,3 +336,15 @@ def test_head_module_on_cached_hidden_states_matches_running_the_draft(head_setu
         from specdistill.modules.acceptance_head import AcceptanceHeadModule
 
         AcceptanceHeadModule(AcceptanceHead(8), draft, optimizer=torch.optim.AdamW)
+
+
+def test_head_config_builds_the_head():
+    from pathlib import Path
+
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "head" / "default.yaml")
+    head = instantiate(cfg.model, hidden_size=24)
+    assert isinstance(head, AcceptanceHead) and head.config() == {"hidden_size": 24, "num_blocks": 3}
+    assert (cfg.w_acc, cfg.w_rej, cfg.mixing_ratio) == (1.0, 6.0, 0.15)
