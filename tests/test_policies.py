@@ -205,6 +205,7 @@ def test_oracle_drafts_only_accepted_candidates(pair, sampling):
         assert s.accepted_tokens == s.drafted_tokens
         assert s.rejected_tokens == 0 and s.metrics()["discard_rate"] == 0.0
         assert s.target_forwards == s.rounds  # the probe's target passes are not counted
+        assert s.oracle_probe_time_s > 0  # ... nor timed: their time is reported apart
         assert s.generated_tokens == 24
 
 

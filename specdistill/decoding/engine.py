@@ -305,6 +305,7 @@ class SpeculativeDecoder:
             excluded += self._round(seq, min(max_k, remaining - 1), generator)
         _sync(self.device)
         seq.stats.wall_time_s = time.perf_counter() - start - excluded
+        seq.stats.oracle_probe_time_s = excluded
         return seq.result(keep_state)
 
     # ------------------------------------------------------------------ one round

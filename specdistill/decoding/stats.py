@@ -60,6 +60,7 @@ class DecodingStats:
         target_time_s: wall time inside target forwards (and their verification maths).
         draft_time_s: wall time inside draft forwards (and their sampling).
         wall_time_s: wall time of the whole generation, oracle probing excluded.
+        oracle_probe_time_s: wall time of the oracle's target probes (excluded from every other timing).
         tested_by_position: index i counts candidates at position i + 1 that were tested (all before accepted).
         accepted_by_position: index i counts candidates at position i + 1 that were accepted.
         draft_length_hist: index L counts rounds with L drafted candidates.
@@ -76,6 +77,7 @@ class DecodingStats:
     target_time_s: float = 0.0
     draft_time_s: float = 0.0
     wall_time_s: float = 0.0
+    oracle_probe_time_s: float = 0.0
     tested_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
     draft_length_hist: list[int] = field(default_factory=list)
