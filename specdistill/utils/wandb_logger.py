@@ -1,0 +1,350 @@
+"""Weights & Biases tracking that works without an account, names runs after Hydra overrides, groups sweeps.
+
+`conf/logger/wandb.yaml` builds the logger with `wandb_logger`. Without an API key (no `WANDB_API_KEY`, no netrc
+entry) the run is written offline under `<run_dir>/wandb/` and the log says how to `wandb sync` it later. Helpers:
+`log_export` (the exported draft as a model artifact, when `log_model` is on), `log_report` (a report as a table plus
+PNG images) and `read_offline_run` (history, config and summary read back from an offline run's `.wandb` file).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import netrc
+import os
+import re
+import struct
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import OmegaConf
+
+log = logging.getLogger(__name__)
+
+RUN_ID_FILE = "wandb_run_id.txt"
+
+
+class SpecDistillWandbLogger(WandbLogger):
+    """Lightning's `WandbLogger` plus whether stage exports go up as model artifacts (`log_export`)."""
+
+    def __init__(self, *args: Any, log_exports: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.log_exports = log_exports
+
+
+def has_api_key() -> bool:
+    """True when W&B can authenticate: `WANDB_API_KEY` is set or the netrc file has the W&B host."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    path = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        return path.is_file() and netrc.netrc(str(path)).authenticators(host) is not None
+    except (netrc.NetrcParseError, OSError):
+        return False
+
+
+def _hydra() -> Any:
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.get() if HydraConfig.initialized() else None
+
+
+def sweep_group() -> str | None:
+    """The W&B group of a Hydra multirun: the sweep directory's name (one group per `-m` launch)."""
+    hc = _hydra()
+    if hc is None or str(hc.mode) != "RunMode.MULTIRUN":
+        return None
+    return Path(hc.sweep.dir).name
+
+
+def run_name(save_dir: str | Path) -> str:
+    """The Hydra overrides of this job (`hydra.job.override_dirname`), else the run directory's name.
+
+    A pipeline stage writing into `<run_dir>/<stage>` gets `:<stage>` appended.
+    """
+    hc = _hydra()
+    run_dir = Path(hc.runtime.output_dir) if hc is not None else Path(save_dir)
+    name = (hc.job.override_dirname if hc is not None else "") or run_dir.name
+    save_dir = Path(save_dir)
+    if save_dir.resolve() != run_dir.resolve():
+        name = f"{name}:{save_dir.name}"
+    return name
+
+
+def job_config() -> dict[str, Any] | None:
+    """The job's resolved config, read from Hydra's `.hydra/config.yaml` of this run (None outside Hydra)."""
+    hc = _hydra()
+    if hc is None or not hc.output_subdir:
+        return None
+    path = Path(hc.runtime.output_dir) / hc.output_subdir / "config.yaml"
+    if not path.is_file():
+        return None
+    cfg = OmegaConf.load(path)
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    except Exception as error:  # an interpolation only the stage can resolve: keep the text, say so
+        log.warning("W&B config logged unresolved (%s)", error)
+        return OmegaConf.to_container(cfg, resolve=False)  # type: ignore[return-value]
+
+
+def _run_id(save_dir: Path) -> str:
+    """A run id kept in the run directory, so that a requeued or re-launched job continues the same W&B run."""
+    path = save_dir / RUN_ID_FILE
+    if path.is_file():
+        return path.read_text().strip()
+    run_id = uuid.uuid4().hex[:12]
+    if rank_zero_only.rank == 0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(run_id)
+    return run_id
+
+
+def wandb_logger(
+    save_dir: str | Path,
+    project: str = "specdistill",
+    entity: str | None = None,
+    group: str | None = None,
+    name: str | None = None,
+    tags: Sequence[str] = (),
+    log_model: bool = False,
+    offline: bool | None = None,
+    log_config: bool = True,
+) -> SpecDistillWandbLogger:
+    """A Lightning W&B logger for one stage run.
+
+    Args:
+        save_dir: the stage's output directory; W&B files go to `<save_dir>/wandb/`.
+        project, entity: W&B project and team/user (None: the account's default entity).
+        group: None groups a Hydra multirun under its sweep directory's name.
+        name: None names the run after the Hydra overrides (`hydra.job.override_dirname`).
+        tags: run tags.
+        log_model: upload the stage's Hugging Face export as a model artifact (`log_export`); checkpoints never.
+        offline: True/False forces the mode; None runs offline when there is no API key (or `WANDB_MODE=offline`).
+        log_config: log the job's resolved Hydra config as the run config.
+    """
+    save_dir = Path(save_dir)
+    save_dir.mkdir(parents=True, exist_ok=True)
+    mode = os.environ.get("WANDB_MODE", "").lower()
+    if offline is None:
+        offline = mode in ("offline", "dryrun") or (mode != "disabled" and not has_api_key())
+        if offline and mode not in ("offline", "dryrun"):
+            log.warning(
+                "W&B: no API key (WANDB_API_KEY unset and no netrc entry), logging offline to %s/wandb; "
+                "upload later with: wandb sync %s/wandb/offline-run-*",
+                save_dir,
+                save_dir,
+            )
+    kwargs: dict[str, Any] = {}
+    if log_config and (config := job_config()) is not None:
+        kwargs["config"] = config
+    return SpecDistillWandbLogger(
+        save_dir=str(save_dir),
+        project=project,
+        entity=entity,
+        group=group if group is not None else sweep_group(),
+        name=name if name is not None else run_name(save_dir),
+        tags=list(tags),
+        id=_run_id(save_dir),
+        resume="allow",
+        offline=offline,
+        log_model=False,
+        log_exports=log_model,
+        **kwargs,
+    )
+
+
+def _wandb_loggers(logger: Any) -> list[WandbLogger]:
+    loggers = logger if isinstance(logger, list | tuple) else [logger]
+    return [item for item in loggers if isinstance(item, WandbLogger)]
+
+
+@rank_zero_only
+def log_export(logger: Any, export_dir: str | Path, metadata: Mapping[str, Any] | None = None) -> bool:
+    """Upload a Hugging Face export directory as a `model` artifact when the logger was built with `log_model`.
+
+    Args:
+        logger: `trainer.logger` (or `trainer.loggers`); anything that is not a W&B logger is ignored.
+        export_dir: the directory `export_pretrained` wrote.
+
+    Returns:
+        True when an artifact was logged.
+    """
+    import wandb
+
+    logged = False
+    for item in _wandb_loggers(logger):
+        if not getattr(item, "log_exports", False):
+            continue
+        run = item.experiment
+        name = re.sub(r"[^A-Za-z0-9._-]+", "-", f"{run.name or run.id}-{Path(export_dir).name}")[:120]
+        artifact = wandb.Artifact(name=name, type="model", metadata=dict(metadata or {}))
+        artifact.add_dir(str(export_dir))
+        run.log_artifact(artifact)
+        logged = True
+    return logged
+
+
+@rank_zero_only
+def log_report(
+    logger: Any, report: Mapping[str, Any], images: Iterable[str | Path] = (), key: str = "report"
+) -> bool:
+    """Log an evaluation report to W&B: a `metric | value` table, one table per list of rows, and PNG images.
+
+    Args:
+        logger: `trainer.logger` or a W&B logger; other loggers are ignored.
+        report: scalars (`{"acceptance_rate": 0.71, ...}`) and/or lists of row dicts (`{"per_task": [{...}, ...]}`);
+            string values ending in `.png` are logged as images too.
+        images: further PNG files (plots).
+        key: prefix of the logged keys.
+
+    Returns:
+        True when something was logged to W&B.
+    """
+    import wandb
+
+    targets = _wandb_loggers(logger)
+    if not targets:
+        return False
+    scalars = {k: v for k, v in report.items() if isinstance(v, int | float | str | bool)}
+    tables = {
+        k: v
+        for k, v in report.items()
+        if isinstance(v, list) and v and all(isinstance(r, Mapping) for r in v)
+    }
+    pngs = [Path(p) for p in images] + [
+        Path(v) for v in scalars.values() if isinstance(v, str) and v.endswith(".png")
+    ]
+    for path in pngs:
+        if not path.is_file():
+            raise FileNotFoundError(f"log_report: image {path} does not exist")
+    for item in targets:
+        run = item.experiment
+        payload: dict[str, Any] = {
+            key: wandb.Table(columns=["metric", "value"], data=[[k, str(v)] for k, v in scalars.items()])
+        }
+        for name, rows in tables.items():
+            columns = list(dict.fromkeys(c for row in rows for c in row))
+            payload[f"{key}/{name}"] = wandb.Table(
+                columns=columns, data=[[row.get(c) for c in columns] for row in rows]
+            )
+        for path in pngs:
+            payload[f"{key}/{path.stem}"] = wandb.Image(str(path))
+        run.log(payload)
+        run.summary.update(
+            {
+                f"{key}/{k}": v
+                for k, v in scalars.items()
+                if isinstance(v, int | float) and not isinstance(v, bool)
+            }
+        )
+    return True
+
+
+# -- reading offline runs -------------------------------------------------------------------------------------------
+
+_HEADER = struct.Struct("<4sHB")  # b":W&B", magic 0xBEE1, version
+_RECORD = struct.Struct("<IHB")  # crc32c, length, type (LevelDB log format)
+_BLOCK = 32768
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def _records(data: bytes) -> Iterable[bytes]:
+    """Payloads of a `.wandb` file: a 7-byte header, then LevelDB-log records in 32 KiB blocks."""
+    ident, magic, version = _HEADER.unpack_from(data, 0)
+    if ident != b":W&B" or magic != 0xBEE1:
+        raise ValueError(
+            "not a W&B run file (bad header); pass the run's run-<id>.wandb file or its directory"
+        )
+    pos, pending = _HEADER.size, b""
+    while pos + _RECORD.size <= len(data):
+        left = _BLOCK - pos % _BLOCK
+        if left < _RECORD.size:  # block trailer padding
+            pos += left
+            continue
+        _, length, kind = _RECORD.unpack_from(data, pos)
+        pos += _RECORD.size
+        chunk = data[pos : pos + length]
+        pos += length
+        if kind == _FULL:
+            yield chunk
+        elif kind == _FIRST:
+            pending = chunk
+        elif kind == _MIDDLE:
+            pending += chunk
+        elif kind == _LAST:
+            yield pending + chunk
+            pending = b""
+        elif kind == 0 and length == 0:  # zero padding at the end of a block
+            pos += left - _RECORD.size - length
+        else:
+            raise ValueError(f"corrupt W&B run file: record type {kind} at byte {pos}")
+
+
+def _item_value(item: Any) -> Any:
+    """A history value: typed (`oneof value`) in recent wandb cores, JSON text in older ones."""
+    which = item.WhichOneof("value")
+    if which is None or which == "value_json":
+        return json.loads(item.value_json) if item.value_json else None
+    if which == "json":
+        return json.loads(item.json)
+    if which == "none":
+        return None
+    return getattr(item, which)
+
+
+def _item_key(item: Any) -> str:
+    return "/".join(item.nested_key) if item.nested_key else item.key
+
+
+def read_offline_run(path: str | Path) -> dict[str, Any]:
+    """Read back what an (offline) run recorded.
+
+    Returns:
+        `{"history": [row, ...], "config": {...}, "summary": {...}, "run": {"id", "project", "group", "name",
+        "tags"}}`.
+
+    wandb 0.31 ships no Python reader for run files (its Go core writes and syncs them), so this parses the
+    documented on-disk format: LevelDB-log framing of `wandb_internal_pb2.Record` protobufs.
+
+    Args:
+        path: a `run-<id>.wandb` file, or the run directory holding one (`<save_dir>/wandb/offline-run-*`).
+    """
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.glob("*.wandb"))
+        if len(files) != 1:
+            raise FileNotFoundError(f"expected one run-*.wandb file in {path}, found {len(files)}")
+        path = files[0]
+    history: list[dict[str, Any]] = []
+    config: dict[str, Any] = {}
+    summary: dict[str, Any] = {}
+    run: dict[str, Any] = {}
+    for payload in _records(path.read_bytes()):
+        record = pb.Record()
+        record.ParseFromString(payload)
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            history.append({_item_key(i): _item_value(i) for i in record.history.item})
+        if kind == "run":
+            info = record.run
+            run = {
+                "id": info.run_id,
+                "project": info.project,
+                "group": info.run_group,
+                "name": info.display_name,
+                "tags": list(info.tags),
+            }
+        if kind in ("config", "run"):
+            items = record.config.update if kind == "config" else record.run.config.update
+            config.update({_item_key(i): json.loads(i.value_json) for i in items})
+        elif kind == "summary":
+            summary.update({_item_key(i): json.loads(i.value_json) for i in record.summary.update})
+    return {"history": history, "config": config, "summary": summary, "run": run}

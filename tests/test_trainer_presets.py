@@ -1,0 +1,205 @@
+"""Trainer presets compose, build the strategy they name with the right options, and fail early on bad hardware."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+
+from specdistill.utils.cluster import slurm_environment
+from specdistill.utils.frozen_sharding import frozen_zero3_config, prepare_frozen
+from specdistill.utils.strategy import check_devices, deepspeed_stage, deepspeed_strategy, require_deepspeed
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+PRESETS = ["cpu", "gpu", "ddp", "deepspeed_zero2", "deepspeed_zero3"]
+SLURM_VARS = ["SLURM_NTASKS", "SLURM_JOB_NAME", "SLURM_NNODES", "SLURM_JOB_NUM_NODES", "SLURM_PROCID"]
+
+
+@pytest.fixture(autouse=True)
+def _no_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests run as if outside SLURM unless they set the variables themselves."""
+    for name in SLURM_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+def trainer_cfg(preset: str, *overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train", overrides=[f"trainer={preset}", *overrides]).trainer
+
+
+# ids avoid a bare "gpu", which the conftest would read as the gpu marker
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: f"trainer={p}")
+def test_every_preset_composes_with_clipping_and_precision(preset: str) -> None:
+    cfg = trainer_cfg(preset)
+    assert cfg._target_ == "lightning.Trainer"
+    assert cfg.gradient_clip_val == 1.0
+    assert cfg.precision == ("32-true" if preset == "cpu" else "bf16-mixed")
+    # accumulation belongs to the stage settings (the loss normalisation reads it), never to the preset
+    assert "accumulate_grad_batches" not in cfg
+
+
+def test_ddp_preset_builds_ddp_strategy_without_unused_parameter_search() -> None:
+    cfg = trainer_cfg("ddp")
+    assert cfg.num_nodes == 1 and cfg.devices == "auto"
+    strategy = instantiate(cfg.strategy)
+    assert isinstance(strategy, DDPStrategy)
+    assert strategy._ddp_kwargs["find_unused_parameters"] is False
+    assert strategy.cluster_environment is None  # outside SLURM Lightning picks its default environment
+
+
+@pytest.mark.parametrize(
+    ("preset", "overrides", "expected"),
+    [
+        ("deepspeed_zero2", [], {"stage": 2, "offload_optimizer": None, "offload_param": None}),
+        (
+            "deepspeed_zero2",
+            ["trainer.strategy.offload_optimizer=true", "trainer.strategy.reduce_bucket_size=5e7"],
+            {"stage": 2, "offload_optimizer": "cpu", "offload_param": None, "reduce_bucket_size": 50_000_000},
+        ),
+        ("deepspeed_zero3", [], {"stage": 3, "offload_optimizer": None, "offload_param": None}),
+        (
+            "deepspeed_zero3",
+            ["trainer.strategy.offload_optimizer=true", "trainer.strategy.offload_parameters=true"],
+            {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},
+        ),
+    ],
+)
+def test_deepspeed_presets_build_the_strategy_with_their_stage_and_offload(
+    preset, overrides, expected
+) -> None:
+    strategy = instantiate(trainer_cfg(preset, *overrides).strategy)
+    assert isinstance(strategy, DeepSpeedStrategy)
+    zero = strategy.config["zero_optimization"]
+    assert zero["stage"] == expected["stage"] == deepspeed_stage(strategy)
+    assert (zero.get("offload_optimizer") or {}).get("device") == expected["offload_optimizer"]
+    assert (zero.get("offload_param") or {}).get("device") == expected["offload_param"]
+    assert zero["allgather_bucket_size"] == 200_000_000
+    assert zero["reduce_bucket_size"] == expected.get("reduce_bucket_size", 200_000_000)
+    if expected["stage"] == 3:
+        assert zero["stage3_prefetch_bucket_size"] == 50_000_000
+        assert zero["stage3_param_persistence_threshold"] == 100_000
+
+
+def test_deepspeed_strategy_rejects_bad_options() -> None:
+    with pytest.raises(ValueError, match="stage 3"):
+        deepspeed_strategy(stage=2, offload_parameters=True)
+    with pytest.raises(ValueError, match="1, 2 or 3"):
+        deepspeed_strategy(stage=4)
+    with pytest.raises(ValueError, match="zero_extra"):
+        deepspeed_strategy(stage=2, config={"zero_optimization": {"stage": 2}})
+
+
+def test_missing_deepspeed_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # what an uninstalled package looks like to find_spec
+    with pytest.raises(ImportError, match="pip install deepspeed"):
+        require_deepspeed()
+    with pytest.raises(InstantiationException, match="pip install deepspeed"):
+        instantiate(trainer_cfg("deepspeed_zero3").strategy)
+
+
+def test_cpu_preset_builds_a_trainer_after_the_device_check(tmp_path: Path) -> None:
+    cfg = trainer_cfg("cpu")
+    check_devices(cfg)
+    trainer = instantiate(cfg, default_root_dir=str(tmp_path), logger=False, max_steps=1)
+    assert isinstance(trainer, L.Trainer)
+    assert trainer.gradient_clip_val == 1.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+@pytest.mark.parametrize(
+    "preset", ["gpu", "ddp", "deepspeed_zero2", "deepspeed_zero3"], ids=lambda p: f"trainer={p}"
+)
+def test_gpu_presets_on_a_machine_without_cuda_say_to_use_cpu(preset: str) -> None:
+    with pytest.raises(ValueError, match="trainer=cpu"):
+        check_devices(trainer_cfg(preset))
+
+
+def test_more_devices_than_visible_gpus_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_devices(trainer_cfg("ddp", "trainer.devices=2"))
+    check_devices(trainer_cfg("ddp", "trainer.devices=[0,1]"))
+    with pytest.raises(ValueError, match="only 2 are visible"):
+        check_devices(trainer_cfg("ddp", "trainer.devices=4"))
+
+
+def test_more_nodes_than_the_job_has_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    with pytest.raises(ValueError, match="hydra.launcher.nodes=2"):
+        check_devices(trainer_cfg("ddp", "trainer.num_nodes=2"))  # a single machine, no SLURM
+    monkeypatch.setenv("SLURM_NNODES", "2")
+    assert trainer_cfg("ddp").num_nodes == 2  # the preset follows the allocation
+    check_devices(trainer_cfg("ddp"))
+    with pytest.raises(ValueError, match="runs on 2 node"):
+        check_devices(trainer_cfg("ddp", "trainer.num_nodes=4"))
+
+
+def test_slurm_tasks_give_world_size_and_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert slurm_environment() is None
+    env = {
+        "SLURM_NTASKS": "16",
+        "SLURM_NTASKS_PER_NODE": "8",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_PROCID": "9",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "1",
+        "SLURM_NNODES": "2",
+        "SLURM_NODELIST": "gpu[01-02]",
+        "SLURM_JOB_ID": "1234",
+    }
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    strategy = instantiate(trainer_cfg("ddp").strategy)
+    cluster = strategy.cluster_environment
+    assert isinstance(cluster, SLURMEnvironment)
+    assert not cluster.auto_requeue  # PreemptionCheckpoint owns the requeue signal
+    assert (cluster.world_size(), cluster.global_rank(), cluster.local_rank(), cluster.node_rank()) == (
+        16,
+        9,
+        1,
+        1,
+    )
+    assert cluster.main_address == "gpu01"
+    ds = instantiate(trainer_cfg("deepspeed_zero3").strategy)
+    assert isinstance(ds.cluster_environment, SLURMEnvironment)
+
+
+def tiny_model() -> torch.nn.Module:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64
+    )
+    return GPTNeoXForCausalLM(config)
+
+
+def test_frozen_zero3_config_scales_buckets_with_the_hidden_size() -> None:
+    config = frozen_zero3_config(tiny_model(), "bf16-mixed", offload_parameters=True)
+    zero = config["zero_optimization"]
+    assert zero["stage"] == 3
+    assert zero["stage3_param_persistence_threshold"] == 320
+    assert zero["reduce_bucket_size"] == 1024
+    assert zero["offload_param"]["device"] == "cpu"
+    assert config["bf16"]["enabled"] and not config["fp16"]["enabled"]
+    assert "optimizer" not in config
+
+
+def test_prepare_frozen_places_a_frozen_model_and_refuses_a_trainable_one(tmp_path: Path) -> None:
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, default_root_dir=str(tmp_path))
+    model = tiny_model()
+    with pytest.raises(ValueError, match="trainable"):
+        prepare_frozen(model, trainer)
+    model.requires_grad_(False)
+    placed = prepare_frozen(model, trainer, dtype="bfloat16")
+    assert placed is model and not placed.training
+    assert next(placed.parameters()).dtype == torch.bfloat16
+    assert next(placed.parameters()).device.type == "cpu"
+    with pytest.raises(ValueError, match="dtype"):
+        prepare_frozen(model, trainer, dtype="int8")
