@@ -51,7 +51,12 @@ class SFTModule(L.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         window_tokens = batch["window_answer_tokens"].clamp_min(1)
         loss = self._loss_sum(batch) / window_tokens * self.accumulate_grad_batches
-        self.log("train/loss", loss / self.accumulate_grad_batches, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        self.log(
+            "train/loss",
+            loss / self.accumulate_grad_batches,
+            prog_bar=True,
+            batch_size=batch["input_ids"].shape[0],
+        )
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:

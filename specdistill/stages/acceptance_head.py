@@ -1,0 +1,87 @@
+"""Stage `acceptance_head`: train a SpecDec++ acceptance head per draft on its labelled rollouts.
+
+The draft stays frozen; the head reads its last hidden state on the mixed sequence (METHODS.md section 4). Each
+head is saved as a small directory (`head_config.json` + `model.safetensors`) under `<run>/<draft name>/export`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from specdistill.modules.acceptance_head import AcceptanceHeadModule
+from specdistill.rollout.data import RolloutDataModule
+from specdistill.rollout.hidden_cache import build_hidden_cache
+from specdistill.stages.common import (
+    build_trainer,
+    fit,
+    load_models,
+    logged_metrics,
+    seed_everything,
+    stage_dir,
+    write_result,
+)
+from specdistill.stages.rollout import named_drafts
+
+VAL_METRICS = ["val/head_bce", "val/binary_kl", "val/auroc_rejection", "val/ece"]
+
+
+def run(cfg: DictConfig) -> dict:
+    settings = cfg.acceptance_head
+    head_cfg = cfg.head
+    rollouts = settings.rollouts or {}
+    if not rollouts:
+        raise ValueError(
+            "acceptance_head.rollouts is empty: give draft name -> rollout directory "
+            "(+acceptance_head.rollouts.<draft>=<rollout_run>/rollouts/<draft>), or run stage=pipeline."
+        )
+    drafts = named_drafts(cfg, settings.drafts)
+    missing = set(rollouts) - set(drafts)
+    if missing:
+        raise ValueError(
+            f"acceptance_head.rollouts names drafts without a path in acceptance_head.drafts: {sorted(missing)}"
+        )
+    out_dir = stage_dir(cfg, "acceptance_head")
+    tokenizer, models, _ = load_models(cfg, {name: drafts[name] for name in rollouts})
+    result: dict = {"stage": "acceptance_head", "heads": {}}
+    for name, rollout_dir in rollouts.items():
+        seed_everything(cfg)
+        draft = models[name]
+        run_dir = Path(out_dir) / name
+        hidden_cache = None
+        if head_cfg.cache_hidden_states:
+            hidden_cache = run_dir / "hidden_cache"
+            build_hidden_cache(
+                draft, rollout_dir, hidden_cache, mixing_ratio=head_cfg.mixing_ratio, seed=cfg.seed,
+                batch_size=settings.batch_size, pad_token_id=tokenizer.pad_token_id, dtype=head_cfg.hidden_cache_dtype,
+            )  # fmt: skip
+        datamodule = RolloutDataModule(
+            rollout_dir=str(rollout_dir),
+            batch_size=settings.batch_size,
+            mixing_ratio=head_cfg.mixing_ratio,
+            val_fraction=settings.val_fraction,
+            seed=cfg.seed,
+            pad_token_id=tokenizer.pad_token_id,
+            hidden_cache_dir=str(hidden_cache) if hidden_cache else None,
+        )
+        head = instantiate(head_cfg.model, hidden_size=draft.config.hidden_size)
+        module = AcceptanceHeadModule(
+            head=head,
+            draft=None if hidden_cache else draft,
+            optimizer=instantiate(cfg.optimizer, lr=settings.lr),
+            scheduler=instantiate(settings.scheduler),
+            w_acc=head_cfg.w_acc,
+            w_rej=head_cfg.w_rej,
+            cache_hidden_states=hidden_cache is not None,
+            reliability_bins=head_cfg.reliability_bins,
+        )
+        trainer = build_trainer(cfg, run_dir, settings)
+        fit(trainer, module, datamodule)
+        trainer.validate(module, datamodule=datamodule, verbose=False)
+        export = run_dir / "export"
+        module.head.save(export)
+        result["heads"][name] = str(export)
+        result.update({f"{name}/{k}": v for k, v in logged_metrics(trainer, VAL_METRICS).items()})
+    return write_result(out_dir, result)

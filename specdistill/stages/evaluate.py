@@ -1,0 +1,104 @@
+"""Stage `evaluate`: the autoregressive target against every draft x draft-length policy on the task's prompts.
+
+For each draft (an export path) the best fixed K is chosen on the selection split (validation, never test), then
+the target alone, fixed-K, the training-free heuristics, SpecDec++ heads (one policy per threshold h, for drafts
+that have a head) and the oracle decode the same test prompts with the same seed and token budget. Writes
+`report.json`, `outputs.jsonl`, the plots and `report.txt` (the console table) into the run directory.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from specdistill.decoding.head_policy import load_head_policy
+from specdistill.decoding.policies import FixedLength
+from specdistill.decoding.sampling import SamplingConfig
+from specdistill.evaluation.report import format_table
+from specdistill.evaluation.runner import best_fixed_length, evaluate_policies
+from specdistill.models import ModelSpec, freeze
+from specdistill.stages.common import (
+    build_datamodule,
+    load_models,
+    model_spec,
+    seed_everything,
+    stage_dir,
+    write_result,
+)
+
+log = logging.getLogger(__name__)
+
+
+def draft_specs(cfg: DictConfig) -> dict[str, ModelSpec]:
+    """Drafts to evaluate: `evaluate.drafts` (name -> export path), or the pair's draft when none is given."""
+    drafts = cfg.evaluate.drafts or {}
+    if not drafts:
+        return {"draft": model_spec(cfg.models.draft)}
+    dtype = cfg.models.draft.dtype
+    return {name: ModelSpec(pretrained_model_name_or_path=path, dtype=dtype) for name, path in drafts.items()}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def run(cfg: DictConfig) -> dict:
+    settings = cfg.evaluate
+    out_dir = stage_dir(cfg, "evaluate")
+    seed_everything(cfg)
+    drafts = draft_specs(cfg)
+    unknown_heads = set(settings.heads or {}) - set(drafts)
+    if unknown_heads:
+        raise ValueError(f"evaluate.heads names drafts that are not evaluated: {sorted(unknown_heads)}")
+    tokenizer, models, vocab_size = load_models(cfg, {"target": model_spec(cfg.models.target), **drafts})
+    device = pick_device(settings.device)
+    for model in models.values():
+        freeze(model).to(device)
+    target = models.pop("target")
+    datamodule = build_datamodule(cfg, tokenizer, settings)
+    task = datamodule.task
+    test_prompts = datamodule.prompts(settings.split)[: settings.num_prompts]
+    selection_prompts = datamodule.prompts(settings.selection_split)[: settings.selection_prompts]
+    sampling = SamplingConfig(**settings.sampling)
+    common = dict(sampling=sampling, max_new_tokens=settings.max_new_tokens, seed=settings.seed)
+
+    policies = {name: instantiate(node) for name, node in (settings.policies or {}).items()}
+    combinations = [(d, p) for d in models for p in policies]
+    fixed_choice: dict[str, dict] = {}
+    for draft_name, draft in models.items():
+        best_k, per_k = best_fixed_length(
+            target, draft, list(settings.fixed_lengths), selection_prompts, split=settings.selection_split,
+            tokenizer=tokenizer, vocab_size=vocab_size, **common,
+        )  # fmt: skip
+        fixed_choice[draft_name] = {"best_k": best_k, "tokens_per_second_by_k": per_k}
+        name = f"fixed_k{best_k}"
+        policies.setdefault(name, FixedLength(best_k))
+        combinations.insert(0, (draft_name, name))
+        head_dir = (settings.heads or {}).get(draft_name)
+        for h in settings.head_thresholds if head_dir else []:
+            name = f"{draft_name}_specdecpp_h{h}"
+            policies[name] = load_head_policy(
+                head_dir, threshold=h, score_newest=settings.head_score_newest, device=device
+            )
+            combinations.append((draft_name, name))
+    combinations.sort(key=lambda c: list(models).index(c[0]))
+
+    report = evaluate_policies(
+        target, models, policies, test_prompts, task.score if task.scoring_available else None, tokenizer,
+        vocab_size=vocab_size, combinations=combinations, warmup=settings.warmup,
+        task_metric_name=task.metric_name, split=settings.split, **common,
+    )  # fmt: skip
+    report.settings["fixed_length_selection"] = {"split": settings.selection_split, **fixed_choice}
+    report.save(out_dir)
+    table = format_table(report)
+    (Path(out_dir) / "report.txt").write_text(table + "\n")
+    print(table)
+    return write_result(
+        out_dir, {"stage": "evaluate", "report": str(Path(out_dir) / "report.json"), "table": table}
+    )

@@ -1,0 +1,65 @@
+"""Stage `rollout`: label draft tokens with their acceptance probability under the target (SpecDec++ data).
+
+For every draft in `rollout.drafts` (name -> export path; default the pair's draft) the target samples a response to
+each training prompt, one teacher-forced draft pass samples a draft token at every position, and each gets the soft
+label min(1, p/q) under the same warping as decoding (`rollout.sampling`, by default `evaluate.sampling`).
+Rollouts are written in shards: re-launching the same run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from specdistill.decoding.sampling import SamplingConfig
+from specdistill.models import ModelSpec, freeze
+from specdistill.rollout.run import run_rollouts
+from specdistill.stages.common import (
+    build_datamodule,
+    load_models,
+    model_spec,
+    seed_everything,
+    stage_dir,
+    write_result,
+)
+from specdistill.stages.evaluate import pick_device
+
+
+def named_drafts(cfg: DictConfig, paths: DictConfig | None) -> dict[str, ModelSpec]:
+    """`paths` (name -> export directory) as model specs, or the pair's draft when no path is given."""
+    if not paths:
+        return {"draft": model_spec(cfg.models.draft)}
+    dtype = cfg.models.draft.dtype
+    return {name: ModelSpec(pretrained_model_name_or_path=path, dtype=dtype) for name, path in paths.items()}
+
+
+def run(cfg: DictConfig) -> dict:
+    settings = cfg.rollout
+    out_dir = stage_dir(cfg, "rollout")
+    seed_everything(cfg)
+    drafts = named_drafts(cfg, settings.drafts)
+    tokenizer, models, vocab_size = load_models(cfg, {"target": model_spec(cfg.models.target), **drafts})
+    device = pick_device(settings.device)
+    for model in models.values():
+        freeze(model).to(device)
+    target = models.pop("target")
+    datamodule = build_datamodule(cfg, tokenizer, settings)
+    prompts = [p["prompt_ids"] for p in datamodule.prompts(settings.split)]
+    if settings.num_prompts:
+        prompts = prompts[: settings.num_prompts]
+    sampling = SamplingConfig(**settings.sampling)
+    rollouts, metrics = {}, {}
+    for name, draft in models.items():
+        directory = Path(out_dir) / "rollouts" / name
+        dataset = run_rollouts(
+            target, draft, prompts, directory, sampling=sampling, max_new_tokens=settings.max_new_tokens,
+            batch_size=settings.batch_size, shard_size=settings.shard_size, seed=cfg.seed, vocab_size=vocab_size,
+            label_temperature_one=settings.label_temperature_one, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )  # fmt: skip
+        rollouts[name] = str(directory)
+        labels = [a for row in dataset["labels"] for a in row]
+        if labels:  # the mean soft label is the rollouts' expected acceptance of a draft token
+            metrics[f"{name}/mean_acceptance_label"] = sum(labels) / len(labels)
+    return write_result(out_dir, {"stage": "rollout", "rollouts": rollouts, **metrics})
