@@ -37,12 +37,14 @@ log = logging.getLogger(__name__)
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"
 FINGERPRINT_FILE = "run_fingerprint.json"
-# Config keys that may legitimately change between a run and its resume: where it runs and logs, on what hardware,
-# and how long it trains (a resume may extend training).
-RESUMABLE_TOP_KEYS = frozenset(
-    {"paths", "trainer", "logger", "hydra", "optimized_metric", "checkpoint_every_n_steps"}
-)
-RESUMABLE_LEAF_KEYS = frozenset({"max_steps", "max_epochs"})
+# What identifies a training run: the stage, its settings group (conf/<stage>/) and the groups that shape training.
+# Other groups (other stages' settings, where it runs and logs, on what hardware) may change between a run and its
+# resume, and so may how long it trains and how it is evaluated (leaf keys below).
+FINGERPRINT_KEYS = ("seed", "models", "task", "optimizer", "scheduler", "divergence", "selector")
+RESUMABLE_LEAF_KEYS = frozenset(
+    {"max_steps", "max_epochs", "val_check_interval", "limit_val_batches", "eval_batch_size", "eval_examples",
+     "eval_max_new_tokens"}
+)  # fmt: skip
 DEBUG_SIGNAL_ENV = "SPECDISTILL_SIGNAL_AT_STEP"
 
 
@@ -177,19 +179,24 @@ def _drop_leaves(obj: Any, names: frozenset[str]) -> Any:
     return obj
 
 
-def run_fingerprint(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
-    """What identifies a run: its resolved config without the keys a resume may change (`RESUMABLE_*`).
+def run_fingerprint(cfg: DictConfig | Mapping[str, Any], stage: str | None = None) -> dict[str, Any]:
+    """What identifies a run: the resolved `FINGERPRINT_KEYS` and the stage's settings group, minus resumable leaves.
+
+    Args:
+        cfg: the job config.
+        stage: the stage whose settings group (`cfg[stage]`, e.g. `distill`) counts; default `cfg.stage.name`.
 
     Returns:
         `{"fingerprint": <hash of config>, "models": <hash of the models config>, "config": <the config>}`.
     """
-    config: dict[str, Any] = {}
-    for key in cfg:
-        if key in RESUMABLE_TOP_KEYS:
+    stage = stage or str(OmegaConf.select(cfg, "stage.name", default="") if OmegaConf.is_config(cfg) else "")
+    config: dict[str, Any] = {"stage": stage}
+    for key in (*FINGERPRINT_KEYS, stage):
+        if not key or key not in cfg:
             continue
         node = cfg[key]
         value = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
-        config[str(key)] = _drop_leaves(value, RESUMABLE_LEAF_KEYS)
+        config[key] = _drop_leaves(value, RESUMABLE_LEAF_KEYS)
     return {"fingerprint": _digest(config), "models": _digest(config.get("models")), "config": config}
 
 
@@ -271,7 +278,9 @@ def scaleout_callbacks(cfg: DictConfig, out_dir: str | Path) -> list[L.Callback]
 
     Checks `out_dir` against this run's fingerprint first (raises ValueError for another run's directory).
     """
-    fingerprint = run_fingerprint(cfg)
+    # a pipeline runs each stage in <run_dir>/<stage> (specdistill.stages.common.stage_dir)
+    stage = Path(out_dir).name if OmegaConf.select(cfg, "stage.name") == "pipeline" else None
+    fingerprint = run_fingerprint(cfg, stage)
     check_run_dir(out_dir, fingerprint)
     callbacks: list[L.Callback] = []
     debug_step = os.environ.get(DEBUG_SIGNAL_ENV)
