@@ -71,13 +71,14 @@ def load_model(spec: ModelSpec, vocab_size: int | None = None) -> PreTrainedMode
                 "export directory of an earlier stage, e.g. <run_dir>/export)."
             )
         log.info("loading %s (revision=%s, dtype=%s)", path, spec.revision, spec.dtype)
-        return AutoModelForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             str(local) if local.exists() else path,
             revision=spec.revision,
             dtype=spec.torch_dtype,
             trust_remote_code=spec.trust_remote_code,
             use_safetensors=True,
         )
+        return materialize_cpu_weights(model)
     kwargs = dict(spec.config)
     model_type = kwargs.pop("model_type", None)
     if model_type is None:
@@ -88,6 +89,19 @@ def load_model(spec: ModelSpec, vocab_size: int | None = None) -> PreTrainedMode
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(config, dtype=spec.torch_dtype)
+    return model
+
+
+@torch.no_grad()
+def materialize_cpu_weights(model: torch.nn.Module) -> torch.nn.Module:
+    """Copy CPU weights that still point into the memory-mapped safetensors file into ordinary, aligned memory.
+
+    Tensors viewed from the mapped file sit at unaligned offsets, where CPU matmuls run 5-25x slower (measured on
+    the tiny pair: 10 ms vs 2 ms per decoding step). GPU weights are copies already and are left alone.
+    """
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.device.type == "cpu":
+            tensor.data = tensor.data.clone()
     return model
 
 
