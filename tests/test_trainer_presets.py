@@ -203,3 +203,21 @@ def test_prepare_frozen_places_a_frozen_model_and_refuses_a_trainable_one(tmp_pa
     assert next(placed.parameters()).device.type == "cpu"
     with pytest.raises(ValueError, match="dtype"):
         prepare_frozen(model, trainer, dtype="int8")
+
+
+def test_full_weights_is_a_no_op_outside_zero3(tmp_path: Path) -> None:
+    from specdistill.utils.strategy import full_weights
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, default_root_dir=str(tmp_path))
+    model = tiny_model()
+    with full_weights(model, trainer) as gathered:
+        assert gathered is model and next(gathered.parameters()).numel() > 0
+
+
+def test_converting_a_single_file_checkpoint_says_what_a_deepspeed_one_is(tmp_path: Path) -> None:
+    from specdistill.utils.strategy import deepspeed_checkpoint_to_hf
+
+    single = tmp_path / "last.ckpt"
+    single.write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="not a DeepSpeed checkpoint directory"):
+        deepspeed_checkpoint_to_hf(single, tiny_model, tmp_path / "out")

@@ -11,7 +11,8 @@ import importlib.util
 import logging
 import os
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +204,27 @@ def deepspeed_checkpoint_to_hf(
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+@contextmanager
+def full_weights(model: torch.nn.Module, trainer: Any) -> Iterator[torch.nn.Module]:
+    """Make a trained model's full weights readable, e.g. for `export_pretrained` after `fit`.
+
+    Under ZeRO-3 each rank holds only a shard of every parameter; this all-gathers them for the duration of the
+    block (a collective: every rank must enter it; let rank 0 write). Elsewhere it does nothing.
+
+        with full_weights(module.draft, trainer):
+            if trainer.is_global_zero:
+                export_pretrained(module.draft, tokenizer, out_dir / "export")
+        trainer.strategy.barrier()
+    """
+    if deepspeed_stage(trainer.strategy) != 3:
+        yield model
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+        yield model
 
 
 def checkpoint_exists(path: str | Path) -> bool:
