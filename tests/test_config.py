@@ -60,8 +60,8 @@ def test_every_option_of_every_group_composes(group):
     if group != "experiment":
         assert names, f"conf/{group} has no options"
     for name in names:
-        # policies are not in the root defaults (evaluate lists several at once); experiments are opt-in
-        override = f"+{group}={name}" if group in ("experiment", "policy") else f"{group}={name}"
+        # policies are not in the root defaults: evaluate lists several at once
+        override = f"+{group}={name}" if group == "policy" else f"{group}={name}"
         cfg = compose("train", overrides=[override])
         resolve_except_hydra(cfg)
 

@@ -28,6 +28,7 @@ from specdistill.stages.common import (
     fit,
     load_models,
     model_spec,
+    restore_best,
     seed_everything,
     stage_dir,
     write_result,
@@ -88,6 +89,7 @@ def run(cfg: DictConfig) -> dict:
     trainer = build_trainer(cfg, out_dir, settings, callbacks=[selection])
     before = {f"{k}_before": v for k, v in validate(trainer, module, datamodule).items()}
     fit(trainer, module, datamodule)
+    restore_best(trainer, module)
     after = validate(trainer, module, datamodule)
     export = export_pretrained(
         module.draft,

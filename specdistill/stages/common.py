@@ -97,11 +97,16 @@ def build_trainer(
         save_top_k=0,
         every_n_train_steps=cfg.get("checkpoint_every_n_steps"),
     )
+    best = []
+    if settings.get("select_best"):
+        # the "optimal-epoch" regime: keep the checkpoint with the best validation metric and export that one
+        best = [ModelCheckpoint(dirpath=out_dir / "checkpoints", filename="best", monitor=settings.select_best,
+                                mode=settings.get("select_best_mode", "max"), save_top_k=1)]  # fmt: skip
     return instantiate(
         cfg.trainer,
         default_root_dir=str(out_dir),
         logger=logger,
-        callbacks=[checkpoint, *scaleout, *(callbacks or [])],
+        callbacks=[checkpoint, *best, *scaleout, *(callbacks or [])],
         max_epochs=settings.max_epochs,
         max_steps=settings.max_steps,
         accumulate_grad_batches=settings.accumulate_grad_batches,
@@ -118,6 +123,27 @@ def fit(trainer: L.Trainer, module: L.LightningModule, datamodule: L.LightningDa
     if ckpt_path:
         log.info("resuming from %s", ckpt_path)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+
+
+def restore_best(trainer: L.Trainer, module: L.LightningModule) -> str | None:
+    """Load the weights of the best checkpoint (see `select_best`) into `module`; returns its path, or None."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback.monitor and callback.best_model_path:
+            path = Path(callback.best_model_path)
+            if path.is_dir():
+                raise ValueError(
+                    f"select_best cannot restore the sharded checkpoint {path}; convert it first "
+                    "(specdistill.utils.strategy.deepspeed_checkpoint_to_hf) or leave select_best unset."
+                )
+            state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+            module.load_state_dict(state)
+            log.info(
+                "restored the best checkpoint %s (%s = %s)", path, callback.monitor, callback.best_model_score
+            )
+            return str(path)
+    return None
 
 
 def logged_metrics(trainer: L.Trainer, names: list[str]) -> dict[str, float]:

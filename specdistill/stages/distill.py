@@ -14,6 +14,7 @@ from specdistill.stages.common import (
     load_models,
     logged_metrics,
     model_spec,
+    restore_best,
     seed_everything,
     stage_dir,
     write_result,
@@ -41,6 +42,7 @@ def run(cfg: DictConfig) -> dict:
     trainer = build_trainer(cfg, out_dir, settings)
     before = {f"{k}_before": v for k, v in validate(trainer, module, datamodule).items()}
     fit(trainer, module, datamodule)
+    restore_best(trainer, module)
     after = validate(trainer, module, datamodule)
     export = export_pretrained(
         module.draft, tokenizer, out_dir / "export", {"stage": "distill", "task": cfg.task.name, **after}
