@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -221,3 +222,88 @@ def test_converting_a_single_file_checkpoint_says_what_a_deepspeed_one_is(tmp_pa
     single.write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="not a DeepSpeed checkpoint directory"):
         deepspeed_checkpoint_to_hf(single, tiny_model, tmp_path / "out")
+
+
+# -- DeepSpeed ZeRO-3 on CPU (gloo): frozen-model sharding and checkpoint conversion with the real engine -------------
+
+
+class DraftHolder(torch.nn.Module):
+    """Stands where DistillModule stands: the trainable model under `draft` (so checkpoint keys are `draft.*`)."""
+
+    def __init__(self, draft: torch.nn.Module) -> None:
+        super().__init__()
+        self.draft = draft
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.draft(input_ids=input_ids).logits.float().pow(2).mean()
+
+
+def _zero3_on_cpu(out_dir: str, port: int) -> None:
+    """Runs in a child process: DeepSpeed's process group and globals must not leak into the test session."""
+    from types import SimpleNamespace
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+    )
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+
+    from specdistill.utils.frozen_sharding import is_deepspeed_engine
+    from specdistill.utils.strategy import deepspeed_checkpoint_to_hf
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (2, 8))
+
+    # a frozen target becomes a ZeRO-3 engine without optimizer that computes what the plain model computes
+    target = tiny_model().requires_grad_(False)
+    target.eval()
+    with torch.no_grad():
+        expected = target(input_ids=ids).logits
+    trainer = SimpleNamespace(strategy=DeepSpeedStrategy(stage=3), precision="32-true")
+    engine = prepare_frozen(target, trainer)
+    assert (
+        is_deepspeed_engine(engine) and not engine.module.training
+    )  # DeepSpeedEngine.eval() sets the module's
+    assert not any(p.requires_grad for p in engine.module.parameters())
+    assert all(hasattr(p, "ds_id") for p in engine.module.parameters())  # partitioned by ZeRO-3
+    with torch.no_grad():
+        torch.testing.assert_close(engine(input_ids=ids).logits, expected)
+    assert prepare_frozen(engine, trainer) is engine
+
+    # a ZeRO-3 checkpoint of a trained draft converts to the HF export of the same weights
+    holder = DraftHolder(tiny_model())
+    initial = {k: v.clone() for k, v in holder.draft.state_dict().items()}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": 3},
+        "zero_allow_untested_optimizer": True,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+    }
+    trained, *_ = deepspeed.initialize(model=holder, config=config, model_parameters=holder.parameters())
+    trained.backward(trained(ids))
+    trained.step()
+    ckpt = Path(out_dir) / "last.ckpt"
+    # the layout Lightning's DeepSpeedStrategy writes: <ckpt>/checkpoint/*_model_states.pt + optimizer shards
+    trained.save_checkpoint(str(ckpt), client_state={"global_step": 1}, tag="checkpoint")
+    with deepspeed.zero.GatheredParameters(list(holder.parameters())):
+        weights = {k: v.clone() for k, v in holder.draft.state_dict().items()}
+    export = deepspeed_checkpoint_to_hf(ckpt, lambda: DraftHolder(tiny_model()), Path(out_dir) / "export")
+    reloaded = AutoModelForCausalLM.from_pretrained(export).state_dict()
+    assert reloaded.keys() == weights.keys()
+    for name, tensor in reloaded.items():
+        torch.testing.assert_close(tensor, weights[name])
+    assert any(not torch.equal(weights[k], initial[k]) for k in weights)  # the step changed the draft
+
+
+def test_zero3_frozen_engine_and_checkpoint_conversion_on_cpu(tmp_path: Path) -> None:
+    import multiprocessing
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    child = multiprocessing.get_context("spawn").Process(target=_zero3_on_cpu, args=(str(tmp_path), port))
+    child.start()
+    child.join(timeout=240)
+    assert child.exitcode == 0, "the ZeRO-3 checks failed in the child process (see its output above)"
