@@ -55,12 +55,18 @@ def _hydra() -> Any:
     return HydraConfig.get() if HydraConfig.initialized() else None
 
 
-def sweep_group() -> str | None:
-    """The W&B group of a Hydra multirun: the sweep directory's name (one group per `-m` launch)."""
+def sweep_group(save_dir: str | Path | None = None) -> str | None:
+    """The default W&B group: a Hydra multirun's sweep directory name (one group per `-m` launch); for a single
+    pipeline run, whose stages write into `<run_dir>/<stage>`, the run directory's name (one group per pipeline)."""
     hc = _hydra()
-    if hc is None or str(hc.mode) != "RunMode.MULTIRUN":
+    if hc is None:
         return None
-    return Path(hc.sweep.dir).name
+    if str(hc.mode) == "RunMode.MULTIRUN":
+        return Path(hc.sweep.dir).name
+    run_dir = Path(hc.runtime.output_dir)
+    if save_dir is not None and Path(save_dir).resolve() != run_dir.resolve():
+        return run_dir.name
+    return None
 
 
 def run_name(save_dir: str | Path) -> str:
@@ -121,7 +127,8 @@ def wandb_logger(
     Args:
         save_dir: the stage's output directory; W&B files go to `<save_dir>/wandb/`.
         project, entity: W&B project and team/user (None: the account's default entity).
-        group: None groups a Hydra multirun under its sweep directory's name.
+        group: None groups a Hydra multirun under its sweep directory's name (a pipeline's stages under its run
+            directory's name).
         name: None names the run after the Hydra overrides (`hydra.job.override_dirname`).
         tags: run tags.
         log_model: upload the stage's Hugging Face export as a model artifact (`log_export`); checkpoints never.
@@ -147,7 +154,7 @@ def wandb_logger(
         save_dir=str(save_dir),
         project=project,
         entity=entity,
-        group=group if group is not None else sweep_group(),
+        group=group if group is not None else sweep_group(save_dir),
         name=name if name is not None else run_name(save_dir),
         tags=list(tags),
         id=_run_id(save_dir),
