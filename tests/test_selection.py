@@ -313,7 +313,11 @@ def test_callback_end_to_end_writes_report_plot_and_logs(tmp_path):
 @pytest.mark.parametrize("name", ["adaspec", "random", "draft_loss", "none"])
 def test_selector_configs_build_the_callback(name):
     root = Path(__file__).resolve().parents[1] / "conf"
-    callback = instantiate(OmegaConf.load(root / "selector" / f"{name}.yaml"))
+    # selectors read k from the adaspec stage settings (`k: ${adaspec.k}`), as in the composed config
+    composed = OmegaConf.create(
+        {"adaspec": {"k": 0.4}, "selector": OmegaConf.load(root / "selector" / f"{name}.yaml")}
+    )
+    callback = instantiate(composed.selector)
     assert isinstance(callback, TokenSelection)
     assert callback.needs_reference == (name == "adaspec")
     for divergence in ("forward_kl", "reverse_kl", "jsd", "tvd"):

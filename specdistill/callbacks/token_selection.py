@@ -99,7 +99,7 @@ class TokenSelection(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._reference is not None:
-            self._reference.to(pl_module.device)
+            self._reference.place(trainer)
 
     # -- selection --
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from specdistill.decoding.engine import GenerationResult, SpeculativeDecoder, autoregressive
 from specdistill.decoding.policies import DraftPolicy, FixedLength
@@ -62,13 +63,15 @@ def _run(
     tokenizer,
     score_fn: ScoreFn | None,
     keep_outputs: bool,
+    desc: str = "decode",
 ) -> tuple[DecodingStats, list[dict[str, Any]], float | None, int]:
     for i in range(warmup):
         generate(list(prompts[i % len(prompts)]["prompt_ids"]), torch.Generator().manual_seed(seed - 1 - i))
     stats: list[DecodingStats] = []
     outputs: list[dict[str, Any]] = []
     scores: list[float] = []
-    for i, prompt in enumerate(prompts):
+    # the bar ticks between generations; each generation times itself, so it costs no measured time
+    for i, prompt in enumerate(tqdm(prompts, desc=desc, unit="prompt", leave=False)):
         result = generate(list(prompt["prompt_ids"]), torch.Generator().manual_seed(seed + i))
         stats.append(result.stats)
         text = tokenizer.decode(result.tokens, skip_special_tokens=True) if tokenizer is not None else None
@@ -142,7 +145,7 @@ def evaluate_policies(
 
     def entry(name: str, draft: str | None, policy: str | None, generate) -> ReportEntry:
         stats, outputs, task_metric, num_scored = _run(
-            generate, prompts, seed, warmup, tokenizer, score_fn, keep_outputs
+            generate, prompts, seed, warmup, tokenizer, score_fn, keep_outputs, desc=name
         )
         return ReportEntry(name, draft, policy, stats, task_metric, num_scored, outputs)
 

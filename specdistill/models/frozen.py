@@ -21,6 +21,14 @@ class Frozen:
         self.model.to(device)
         return self
 
+    def place(self, trainer) -> Frozen:
+        """Place the model for `trainer`'s strategy: sharded with ZeRO-3 under DeepSpeed stage 3 (a 32B or 70B
+        frozen target does not fit one GPU), else moved to the strategy's device. Safe to call more than once."""
+        from specdistill.utils.frozen_sharding import prepare_frozen
+
+        self.model = prepare_frozen(self.model, trainer)
+        return self
+
     @torch.no_grad()
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)

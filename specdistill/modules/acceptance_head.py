@@ -93,7 +93,11 @@ class AcceptanceHeadModule(LightningModule):
     # -- device placement of the frozen draft (Lightning only moves registered submodules) --
 
     def _place_frozen(self) -> None:
-        if self._draft is not None:
+        if self._draft is None:
+            return
+        if self._trainer is not None:
+            self._draft.place(self.trainer)
+        else:
             self._draft.to(self.device)
 
     def on_fit_start(self) -> None:

@@ -71,7 +71,10 @@ class DistillModule(LightningModule):
     # -- device placement of the frozen target (Lightning only moves registered submodules) --
 
     def _place_frozen(self) -> None:
-        self._target.to(self.device)
+        if self._trainer is not None:
+            self._target.place(self.trainer)
+        else:
+            self._target.to(self.device)
 
     def on_fit_start(self) -> None:
         trainer_accumulation = self.trainer.accumulate_grad_batches

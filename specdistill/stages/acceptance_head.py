@@ -81,7 +81,9 @@ def run(cfg: DictConfig) -> dict:
         fit(trainer, module, datamodule)
         trainer.validate(module, datamodule=datamodule, verbose=False)
         export = run_dir / "export"
-        module.head.save(export)
+        if trainer.is_global_zero:
+            module.head.save(export)
+        trainer.strategy.barrier()
         result["heads"][name] = str(export)
         result.update({f"{name}/{k}": v for k, v in logged_metrics(trainer, VAL_METRICS).items()})
     return write_result(out_dir, result)

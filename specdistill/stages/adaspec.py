@@ -18,13 +18,13 @@ import datasets
 from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
 
-from specdistill.export.hf import export_pretrained
 from specdistill.models import ModelSpec
 from specdistill.modules.distill import DistillModule
 from specdistill.selection.scoring import score_reference
 from specdistill.stages.common import (
     build_datamodule,
     build_trainer,
+    export_trained,
     fit,
     load_models,
     model_spec,
@@ -91,7 +91,8 @@ def run(cfg: DictConfig) -> dict:
     fit(trainer, module, datamodule)
     restore_best(trainer, module)
     after = validate(trainer, module, datamodule)
-    export = export_pretrained(
+    export = export_trained(
+        trainer,
         module.draft,
         tokenizer,
         out_dir / "export",

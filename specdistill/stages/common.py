@@ -115,6 +115,27 @@ def build_trainer(
     )
 
 
+def export_trained(
+    trainer: L.Trainer,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    out_dir: Path,
+    metadata: dict[str, Any],
+) -> Path:
+    """Write the Hugging Face export of a trained model (gathering ZeRO-3 shards first; rank 0 writes) and, when
+    the logger is W&B with `log_model`, upload it as an artifact."""
+    from specdistill.export.hf import export_pretrained
+    from specdistill.utils.strategy import full_weights
+    from specdistill.utils.wandb_logger import log_export
+
+    with full_weights(model, trainer):
+        if trainer.is_global_zero:
+            export_pretrained(model, tokenizer, out_dir, metadata)
+    trainer.strategy.barrier()
+    log_export(trainer.logger, out_dir, metadata)
+    return out_dir
+
+
 def fit(trainer: L.Trainer, module: L.LightningModule, datamodule: L.LightningDataModule) -> None:
     """Fit, resuming from `<out_dir>/checkpoints/last.ckpt` when a previous run left one."""
     last = Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
@@ -123,6 +144,8 @@ def fit(trainer: L.Trainer, module: L.LightningModule, datamodule: L.LightningDa
     if ckpt_path:
         log.info("resuming from %s", ckpt_path)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    # a run that stops on max_steps mid-epoch writes no last.ckpt by itself; without it a relaunch would redo steps
+    trainer.save_checkpoint(last)
 
 
 def restore_best(trainer: L.Trainer, module: L.LightningModule) -> str | None:

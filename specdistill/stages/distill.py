@@ -5,11 +5,11 @@ from __future__ import annotations
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from specdistill.export.hf import export_pretrained
 from specdistill.modules.distill import DistillModule
 from specdistill.stages.common import (
     build_datamodule,
     build_trainer,
+    export_trained,
     fit,
     load_models,
     logged_metrics,
@@ -44,8 +44,12 @@ def run(cfg: DictConfig) -> dict:
     fit(trainer, module, datamodule)
     restore_best(trainer, module)
     after = validate(trainer, module, datamodule)
-    export = export_pretrained(
-        module.draft, tokenizer, out_dir / "export", {"stage": "distill", "task": cfg.task.name, **after}
+    export = export_trained(
+        trainer,
+        module.draft,
+        tokenizer,
+        out_dir / "export",
+        {"stage": "distill", "task": cfg.task.name, **after},
     )
     return write_result(out_dir, {"stage": "distill", **before, **after, "export": str(export)})
 

@@ -29,6 +29,7 @@ from specdistill.stages.common import (
     stage_dir,
     write_result,
 )
+from specdistill.utils.wandb_logger import log_report
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,11 @@ def draft_specs(cfg: DictConfig) -> dict[str, ModelSpec]:
         return {"draft": model_spec(cfg.models.draft)}
     dtype = cfg.models.draft.dtype
     return {name: ModelSpec(pretrained_model_name_or_path=path, dtype=dtype) for name, path in drafts.items()}
+
+
+def logger_for(cfg: DictConfig, out_dir: Path):
+    """The configured logger, for stages without a Trainer (W&B gets the report table and plots)."""
+    return instantiate(cfg.logger, save_dir=str(out_dir)) if cfg.get("logger") else None
 
 
 def pick_device(name: str) -> torch.device:
@@ -96,6 +102,11 @@ def run(cfg: DictConfig) -> dict:
     )  # fmt: skip
     report.settings["fixed_length_selection"] = {"split": settings.selection_split, **fixed_choice}
     report.save(out_dir)
+    rows = [
+        {"name": e["name"], **e["metrics"], "task_metric": e["task_metric"]}
+        for e in report.to_dict()["entries"]
+    ]
+    log_report(logger_for(cfg, out_dir), {"entries": rows}, images=sorted(Path(out_dir).glob("*.png")))
     table = format_table(report)
     (Path(out_dir) / "report.txt").write_text(table + "\n")
     print(table)

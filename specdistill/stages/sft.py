@@ -5,11 +5,11 @@ from __future__ import annotations
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from specdistill.export.hf import export_pretrained
 from specdistill.modules.sft import SFTModule
 from specdistill.stages.common import (
     build_datamodule,
     build_trainer,
+    export_trained,
     fit,
     load_models,
     logged_metrics,
@@ -37,8 +37,8 @@ def run(cfg: DictConfig) -> dict:
     fit(trainer, module, datamodule)
     trainer.validate(module, datamodule=datamodule, verbose=False)
     result = {"stage": "sft", **logged_metrics(trainer, ["val/loss"])}
-    export = export_pretrained(
-        module.model, tokenizer, out_dir / "export", {"stage": "sft", "task": cfg.task.name}
+    export = export_trained(
+        trainer, module.model, tokenizer, out_dir / "export", {"stage": "sft", "task": cfg.task.name}
     )
     result["export"] = str(export)
     if settings.eval_examples and datamodule.task.scoring_available:
