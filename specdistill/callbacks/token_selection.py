@@ -26,6 +26,7 @@ from torch import nn
 from specdistill.losses.answers import answer_logits
 from specdistill.models.frozen import Frozen
 from specdistill.selection.base import Selection, SelectionInput, SupportsSelect
+from specdistill.utils.wandb_logger import log_report
 
 
 class TokenSelection(L.Callback):
@@ -206,6 +207,10 @@ class TokenSelection(L.Callback):
         dropped_values = torch.cat(self._stored["dropped"]) if self._stored["dropped"] else torch.zeros(0)
         label = "gap D(p,q) - D(p,r)" if self.needs_reference else "draft divergence D(p,q)"
         plot_gap_histogram(out_dir / "gap_histogram.png", kept_values, dropped_values, label)
+        # W&B gets the same report: the token table and the plot (other loggers keep the files only)
+        report = json.loads((out_dir / "selection_tokens.json").read_text())
+        tables = {k: v for k, v in report.items() if isinstance(v, list)}
+        log_report(trainer.logger, tables, images=[out_dir / "gap_histogram.png"], key="selection")
 
     def state_dict(self) -> dict[str, Any]:
         if self.kept_counts is None:
