@@ -207,6 +207,35 @@ def test_sampler_shards_ranks_and_sums_global_windows():
     assert keys[0][0][2] == keys[0][0][1] + keys[1][0][1]
 
 
+@pytest.mark.parametrize("num_replicas", [1, 2])
+def test_sampler_resume_skips_the_done_micro_batches_of_that_epoch_only(num_replicas):
+    counts = list(range(1, 24))  # 23 examples; batch_size 2, 3 micro-batches per window
+
+    def sampler(rank, resume_at=None, epoch=1):
+        s = WindowedSampler(counts, 2, 3, seed=4, num_replicas=num_replicas, rank=rank, resume_at=resume_at)
+        s.set_epoch(epoch)
+        return s
+
+    for rank in range(num_replicas):
+        full = list(sampler(rank))
+        n_batches = math.ceil(len(full) / 2)
+        assert len(full) == math.ceil(23 / num_replicas)
+        for done in (0, 1, 3, 4, n_batches - 1):
+            resumed = sampler(rank, resume_at=(1, done))
+            # exactly the done micro-batches go; the window totals stay those of the full windows
+            assert list(resumed) == full[done * 2 :]
+            assert len(resumed) == len(full)  # Lightning sizes the epoch from the full length
+            assert list(resumed) == full  # consumed: the next iteration is complete
+            resumed.set_epoch(2)
+            assert list(resumed) == list(sampler(rank, epoch=2))
+        other_epoch = sampler(rank, resume_at=(0, 3))
+        assert list(other_epoch) == full  # a resume point of another epoch skips nothing
+        assert other_epoch.resume_at is None
+        assert list(sampler(rank, resume_at=(1, n_batches))) == []  # saved after the epoch's last micro-batch
+        with pytest.raises(ValueError, match="batch size"):
+            list(sampler(rank, resume_at=(1, n_batches + 1)))
+
+
 def test_shuffling_is_seeded_per_epoch_and_resumable(tok):
     def order(dm):
         return torch.cat([b["example_id"] for b in dm.train_dataloader()]).tolist()
@@ -220,7 +249,7 @@ def test_shuffling_is_seeded_per_epoch_and_resumable(tok):
     epoch1 = torch.cat([b["example_id"] for b in loader]).tolist()
     assert epoch1 != epoch0
     state = dm.state_dict()
-    assert state == {"epoch": 1, "seed": 1}
+    assert state == {"epoch": 1, "seed": 1, "batches_done": 0}  # no trainer: nothing trained yet
     resumed = TaskDataModule(small_arith(), tok, batch_size=4, seed=1)
     resumed.load_state_dict(state)
     assert order(resumed) == epoch1
@@ -325,7 +354,60 @@ def test_lightning_sets_epochs_and_checkpoints_the_data_state(tok, tmp_path):
     assert module.seen[0][2] == module.seen[1][2]  # first two micro-batches share one window
     trainer.save_checkpoint(tmp_path / "last.ckpt")
     ckpt = torch.load(tmp_path / "last.ckpt", weights_only=False)
-    assert ckpt["TaskDataModule"] == {"epoch": 1, "seed": 3}
+    assert ckpt["TaskDataModule"] == {"epoch": 1, "seed": 3, "batches_done": 5}
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_run_resumed_mid_epoch_sees_the_uninterrupted_batches(tok, tmp_path, accumulate):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class Scheduled(_Recorder):
+        def configure_optimizers(self):
+            # like the stages' schedulers: builds the training loader before the loops are restored
+            assert self.trainer.estimated_stepping_batches > 0
+            return super().configure_optimizers()
+
+    def run(root, max_steps, ckpt_path=None, callbacks=()):
+        dm = TaskDataModule(
+            small_arith(), tok, max_length=128, batch_size=4, accumulate_grad_batches=accumulate
+        )
+        module = Scheduled()
+        trainer = L.Trainer(
+            max_epochs=2, max_steps=max_steps, accumulate_grad_batches=accumulate, accelerator="cpu", logger=False,
+            callbacks=list(callbacks), enable_checkpointing=bool(callbacks), enable_progress_bar=False,
+            enable_model_summary=False, limit_val_batches=0, default_root_dir=root,
+        )  # fmt: skip
+        trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
+        return module.seen, module.w.detach().clone()
+
+    reference, weight = run(tmp_path / "ref", -1)
+    per_epoch = 10 // accumulate  # 40 examples / 4 = 10 micro-batches
+    stop = per_epoch // 2 + 1  # optimizer steps before the interruption: mid-epoch 0
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=stop, save_top_k=-1)
+    # saved in on_train_batch_end of optimizer step `stop`, mid-epoch 0
+    first, _ = run(tmp_path / "run", stop, callbacks=[checkpoint])
+    (ckpt,) = (tmp_path / "ckpt").iterdir()
+    state = torch.load(ckpt, weights_only=False)["TaskDataModule"]
+    assert state == {"epoch": 0, "seed": 0, "batches_done": stop * accumulate}
+    second, resumed_weight = run(tmp_path / "run", -1, ckpt_path=ckpt)
+    assert first + second == reference  # same examples, order and window totals; nothing skipped or repeated
+    torch.testing.assert_close(resumed_weight, weight, rtol=0, atol=0)
+
+
+def test_resume_state_reaches_a_training_loader_built_before_it(tok):
+    def ids(loader):
+        return torch.cat([b["example_id"] for b in loader]).tolist()
+
+    full = ids(TaskDataModule(small_arith(), tok, batch_size=4, seed=1).train_dataloader())
+    dm = TaskDataModule(small_arith(), tok, batch_size=4, seed=1)
+    loader = dm.train_dataloader()  # e.g. built by estimated_stepping_batches before DeepSpeed restores
+    dm.load_state_dict({"epoch": 0, "seed": 1, "batches_done": 3})
+    assert ids(loader) == full[12:]
+    assert ids(loader) == full  # the next pass over the loader is a whole epoch
+    later = TaskDataModule(small_arith(), tok, batch_size=4, seed=1)
+    later.load_state_dict({"epoch": 0, "seed": 1, "batches_done": 3})
+    assert ids(later.train_dataloader()) == full[12:]
+    assert ids(later.train_dataloader()) == full  # handed to one training loader only
 
 
 def test_chat_task_end_to_end(tok):

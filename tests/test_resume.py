@@ -220,12 +220,6 @@ def test_killed_run_resumes_to_the_same_draft_weights(tmp_path: Path, uninterrup
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="mid-epoch resume needs the data module to skip the micro-batches already trained in the resumed epoch "
-    "(TaskDataModule.state_dict: batches_done from the fit loop's batch progress; WindowedSampler skips them); "
-    "without it Lightning restarts the epoch's data from its first batch",
-    strict=False,
-)
 def test_run_killed_mid_epoch_resumes_to_the_same_draft_weights(tmp_path: Path, uninterrupted) -> None:
     killed = train(tmp_path, "distill.max_steps=6", signal_at=2)
     assert killed.returncode == PREEMPTED_EXIT_CODE, killed.stderr[-3000:]

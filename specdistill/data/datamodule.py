@@ -95,6 +95,8 @@ class TaskDataModule(L.LightningDataModule):
         self._source_index: dict[str, list[int]] = {}
         self._epoch = 0
         self._train_sampler: WindowedSampler | None = None
+        # (epoch, micro-batches done) from a mid-epoch checkpoint, for the next training sampler
+        self._resume_at: tuple[int, int] | None = None
 
     # ------------------------------------------------------------------ splits
     def setup(self, stage: str | None = None) -> None:
@@ -219,6 +221,7 @@ class TaskDataModule(L.LightningDataModule):
         )
         if shuffle:
             sampler.set_epoch(self._epoch)
+            sampler.resume_at, self._resume_at = self._resume_at, None
             self._train_sampler = sampler
         return DataLoader(
             WindowedDataset(ds.with_format("torch")),
@@ -243,10 +246,27 @@ class TaskDataModule(L.LightningDataModule):
         return self._loader(split, self.eval_batch_size, 1, shuffle=False)
 
     # ------------------------------------------------------------------ resume
+    def _batches_done(self) -> int:
+        """Micro-batches of the current epoch whose training step ran (0 without a trainer).
+
+        Checkpoints are written in `on_train_batch_end` (ModelCheckpoint, PreemptionCheckpoint) after the batch's
+        `processed` count was incremented, or after validation, when it equals `completed`: in both cases it counts
+        exactly the micro-batches whose gradients are in the checkpoint (both callbacks save only right after an
+        optimizer step, so with gradient accumulation this is a whole number of windows).
+        """
+        trainer = self.trainer
+        if trainer is None:
+            return 0
+        return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+
     def state_dict(self) -> dict[str, int]:
-        """The shuffling state saved in Lightning checkpoints: `{"epoch", "seed"}`."""
+        """The data state saved in Lightning checkpoints: `{"epoch", "seed", "batches_done"}`.
+
+        `batches_done` (micro-batches of `epoch` already trained) lets a run resumed mid-epoch continue that epoch's
+        order after them instead of from its first batch.
+        """
         epoch = self._train_sampler.epoch if self._train_sampler is not None else self._epoch
-        return {"epoch": epoch, "seed": self.seed}
+        return {"epoch": epoch, "seed": self.seed, "batches_done": self._batches_done()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if int(state_dict.get("seed", self.seed)) != self.seed:
@@ -254,6 +274,15 @@ class TaskDataModule(L.LightningDataModule):
                 "resuming with data seed %d but the checkpoint was written with seed %s: the example order differs",
                 self.seed, state_dict["seed"],
             )  # fmt: skip
+        if "batches_done" not in state_dict:
+            log.warning(
+                "the checkpoint's data state has no batches_done (written by an older version): a run resumed "
+                "mid-epoch restarts that epoch's data from its first batch"
+            )
         self._epoch = int(state_dict["epoch"])
+        self._resume_at = (self._epoch, int(state_dict.get("batches_done", 0)))
         if self._train_sampler is not None:
+            # the training loader may exist already (`trainer.estimated_stepping_batches` in configure_optimizers
+            # builds it, before the checkpoint is restored under DeepSpeed) and Lightning does not rebuild it
             self._train_sampler.set_epoch(self._epoch)
+            self._train_sampler.resume_at, self._resume_at = self._resume_at, None

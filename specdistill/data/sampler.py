@@ -5,6 +5,9 @@ micro-batch's loss sum by the answer tokens of the *whole window* makes the upda
 split. The sampler knows every micro-batch in advance (the order is a pure function of `(seed, epoch)`), so it
 yields `(index, window_answer_tokens, global_window_answer_tokens)` keys that `WindowedDataset` turns into
 examples; the DataLoader groups them into micro-batches of `batch_size` exactly as the sampler planned.
+
+A run resumed in the middle of an epoch sets `resume_at = (epoch, micro_batches_done)`: that epoch's iteration then
+starts after the micro-batches already trained, with the window totals of the full plan.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ class WindowedSampler(DistributedSampler):
         shuffle: shuffle each epoch (training) or keep the order (evaluation).
         seed: shuffling seed.
         num_replicas: world size; rank: this process's rank.
+        resume_at: `(epoch, micro_batches_done)` of a run resumed mid-epoch: the next iteration of that epoch skips
+            the first `micro_batches_done` micro-batches of this rank's shard (the window totals stay those of the
+            full windows). Consumed by the first iteration; later epochs are complete.
     """
 
     def __init__(
@@ -45,6 +51,7 @@ class WindowedSampler(DistributedSampler):
         seed: int = 0,
         num_replicas: int = 1,
         rank: int = 0,
+        resume_at: tuple[int, int] | None = None,
     ) -> None:
         if batch_size < 1 or accumulate_grad_batches < 1:
             raise ValueError(
@@ -56,6 +63,7 @@ class WindowedSampler(DistributedSampler):
         self.answer_tokens = [int(n) for n in answer_tokens]
         self.batch_size = batch_size
         self.accumulate_grad_batches = accumulate_grad_batches
+        self.resume_at = resume_at
 
     def order(self) -> list[int]:
         """All indices of this epoch, before sharding, padded to a multiple of the world size."""
@@ -89,9 +97,24 @@ class WindowedSampler(DistributedSampler):
         ]
 
     def __iter__(self) -> Iterator[WindowKey]:  # type: ignore[override]
-        return iter(self.plan()[self.rank])
+        keys = self.plan()[self.rank]
+        resume_at, self.resume_at = self.resume_at, None  # only the first iteration after a resume is partial
+        if resume_at is not None and resume_at[0] == self.epoch:
+            done = resume_at[1]
+            n_batches = math.ceil(self.num_samples / self.batch_size)
+            if not 0 <= done <= n_batches:
+                raise ValueError(
+                    f"resume_at={resume_at}: {done} micro-batches done, but epoch {self.epoch} has {n_batches} "
+                    f"micro-batches of {self.batch_size} on this rank; the checkpoint was written with another "
+                    "batch size, world size or dataset. Resume with the settings it was written with."
+                )
+            # the plan is sharded before skipping: every rank skips its own first `done` micro-batches
+            keys = keys[done * self.batch_size :]
+        return iter(keys)
 
     def __len__(self) -> int:
+        # the full epoch even while resuming: Lightning sizes the epoch from it and counts the resumed epoch's
+        # batch_idx on from the micro-batches already done
         return self.num_samples
 
     def state_dict(self) -> dict[str, int]:
