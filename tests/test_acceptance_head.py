@@ -18,15 +18,7 @@ from specdistill.losses.head_bce import (
     write_reliability_diagram,
 )
 from specdistill.models.acceptance_head import AcceptanceHead
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny models are dominated by per-op overhead: extra threads only contend with other test processes.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from tests.threads import one_thread_per_module  # noqa: F401  (autouse fixture)
 
 
 def _random_head(hidden: int = 16, blocks: int = 3, seed: int = 0) -> AcceptanceHead:

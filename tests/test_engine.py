@@ -21,27 +21,17 @@ from specdistill.decoding.policies import (
 )
 from specdistill.decoding.sampling import SamplingConfig, warp_logits, warp_probs
 from specdistill.decoding.stats import DecodingStats, speedup
-from specdistill.decoding.toy import perturbed_copy, tiny_gpt_neox
+from specdistill.decoding.toy import toy_pair
 from specdistill.models.acceptance_head import AcceptanceHead
+from tests.threads import one_thread_per_module  # noqa: F401  (autouse fixture)
 
 V = 48
 GREEDY = SamplingConfig(greedy=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny models are dominated by per-op overhead; extra threads only contend with other test processes.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def pair():
-    target = tiny_gpt_neox(V, hidden_size=32, num_layers=2, initializer_range=0.3, seed=0)
-    draft = perturbed_copy(target, noise=0.6, seed=1)
-    return target, draft
+    return toy_pair(V)
 
 
 def _prompts(count: int, seed: int = 0) -> list[list[int]]:
@@ -146,8 +136,7 @@ STAT_PROMPT = [1, 5, 2]
 @pytest.fixture(scope="module")
 def small_pair():
     # Seed and noise chosen so that p and q overlap about halfway (sum min(p, q) ~ 0.56 on the first token).
-    target = tiny_gpt_neox(SMALL_V, hidden_size=16, num_layers=2, num_heads=2, initializer_range=0.5, seed=5)
-    return target, perturbed_copy(target, noise=1.0, seed=6)
+    return toy_pair(SMALL_V, hidden_size=16, num_heads=2, initializer_range=0.5, noise=1.0, seed=5)
 
 
 def _exact_two_token_distribution(target) -> torch.Tensor:

@@ -11,26 +11,19 @@ from transformers import PreTrainedTokenizerFast
 
 from specdistill.decoding.policies import FixedLength, HeuristicSchedule, Oracle
 from specdistill.decoding.sampling import SamplingConfig
-from specdistill.decoding.toy import perturbed_copy, tiny_gpt_neox
+from specdistill.decoding.toy import toy_pair
 from specdistill.evaluation import best_fixed_length, evaluate_policies, format_table, select_policy
 from specdistill.evaluation.report import TABLE_COLUMNS
+from tests.threads import one_thread_per_module  # noqa: F401  (autouse fixture)
 
 V = 40
 GREEDY = SamplingConfig(greedy=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def models_():
-    target = tiny_gpt_neox(V, hidden_size=32, num_layers=2, initializer_range=0.3, seed=0)
-    return target, {"noisy": perturbed_copy(target, noise=0.6, seed=1), "self": target}
+    target, draft = toy_pair(V)
+    return target, {"noisy": draft, "self": target}
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from specdistill.decoding.head_policy import (
 )
 from specdistill.decoding.policies import DraftStep
 from specdistill.models.acceptance_head import AcceptanceHead
+from tests.threads import one_torch_thread
 
 
 def test_rule_stops_exactly_where_rejection_probability_first_exceeds_threshold():
@@ -121,14 +122,10 @@ def test_policy_requires_hidden_state_and_loads_from_directory(tmp_path):
 
 @pytest.fixture(scope="module")
 def engine_pair():
-    # Tiny models are dominated by per-op overhead: extra threads only contend with other test processes.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    from specdistill.decoding.toy import perturbed_copy, tiny_gpt_neox
+    from specdistill.decoding.toy import toy_pair
 
-    target = tiny_gpt_neox(40, hidden_size=32, num_layers=2, initializer_range=0.3, seed=0)
-    yield target, perturbed_copy(target, noise=0.6, seed=1)
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield toy_pair(40)
 
 
 def _trained_looking_head(hidden_size: int) -> AcceptanceHead:

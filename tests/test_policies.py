@@ -22,26 +22,18 @@ from specdistill.decoding.policies import (
     entropy,
 )
 from specdistill.decoding.sampling import SamplingConfig
-from specdistill.decoding.toy import perturbed_copy, tiny_gpt_neox
+from specdistill.decoding.toy import toy_pair
 from specdistill.models.acceptance_head import AcceptanceHead
+from tests.threads import one_thread_per_module  # noqa: F401  (autouse fixture)
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "policy"
 V = 48
 GREEDY = SamplingConfig(greedy=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def pair():
-    target = tiny_gpt_neox(V, hidden_size=32, num_layers=2, initializer_range=0.3, seed=0)
-    return target, perturbed_copy(target, noise=0.6, seed=1)
+    return toy_pair(V)
 
 
 def _step(index: int = 1, token: int = 0, probs: list[float] | None = None, will_accept: bool | None = None):

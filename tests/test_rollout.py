@@ -19,18 +19,10 @@ from specdistill.rollout import (
 )
 from specdistill.rollout.data import RolloutCollator
 from specdistill.rollout.generate import generate_responses, label_responses
+from tests.threads import one_thread_per_module  # noqa: F401  (autouse fixture)
 
 VOCAB = 48  # real vocabulary; the models carry 2 padded rows more
 EOS, PAD = 1, 0
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny models are dominated by per-op overhead: extra threads only contend with other test processes.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_lm(seed: int, hidden: int = 32) -> GPTNeoXForCausalLM:

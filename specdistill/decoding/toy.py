@@ -60,3 +60,23 @@ def perturbed_copy(model: torch.nn.Module, noise: float, seed: int = 1) -> torch
         if param.dim() >= 2:
             param.add_(torch.randn(param.shape, generator=gen, dtype=param.dtype) * noise * param.std())
     return out.eval().requires_grad_(False)
+
+
+def toy_pair(
+    vocab_size: int = 64,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    initializer_range: float = 0.3,
+    noise: float = 0.6,
+    seed: int = 0,
+) -> tuple[GPTNeoXForCausalLM, torch.nn.Module]:
+    """`(target, draft)`: a peaked random target (`tiny_gpt_neox`) and its `perturbed_copy` as the draft.
+
+    The defaults give confident targets and a draft that agrees with them often but not always. The draft's noise
+    is seeded with `seed + 1`, so one seed fixes the whole pair.
+    """
+    target = tiny_gpt_neox(
+        vocab_size, hidden_size, num_layers, num_heads, initializer_range=initializer_range, seed=seed
+    )
+    return target, perturbed_copy(target, noise, seed=seed + 1)
