@@ -21,11 +21,12 @@ import warnings
 from pathlib import Path
 
 import torch
-from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+from transformers import GPTNeoXForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from specdistill.callbacks.token_selection import TokenSelection
+from specdistill.decoding.toy import tiny_gpt_neox
 from specdistill.losses import ForwardKL
 from specdistill.modules import DistillModule
 from specdistill.selection.scoring import score_batch
@@ -35,16 +36,9 @@ VOCAB = 512
 
 
 def gpt_neox(hidden: int, layers: int, heads: int, intermediate: int, seed: int) -> GPTNeoXForCausalLM:
-    torch.manual_seed(seed)
-    config = GPTNeoXConfig(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        intermediate_size=intermediate,
-        max_position_embeddings=256,
-    )
-    return GPTNeoXForCausalLM(config)
+    """A trainable random GPT-NeoX (`tiny_gpt_neox` returns frozen ones)."""
+    model = tiny_gpt_neox(VOCAB, hidden, layers, heads, intermediate, max_position_embeddings=256, seed=seed)
+    return model.train().requires_grad_(True)
 
 
 def make_batch(batch_size: int, seq_len: int, device: torch.device) -> dict[str, torch.Tensor]:

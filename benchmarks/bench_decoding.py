@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM
+from transformers import AutoModelForCausalLM, GPTNeoXForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
@@ -53,6 +53,7 @@ from specdistill.decoding.policies import (
 )
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.decoding.stats import DecodingStats
+from specdistill.decoding.toy import tiny_gpt_neox
 
 VOCAB = 512
 GREEDY = SamplingConfig(greedy=True)
@@ -61,18 +62,11 @@ GREEDY = SamplingConfig(greedy=True)
 def gpt_neox(
     hidden: int, layers: int, heads: int, intermediate: int, seed: int, init: float
 ) -> GPTNeoXForCausalLM:
-    torch.manual_seed(seed)
-    config = GPTNeoXConfig(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        intermediate_size=intermediate,
-        max_position_embeddings=1024,
-        initializer_range=init,
-        tie_word_embeddings=False,
+    """A trainable random GPT-NeoX (`tiny_gpt_neox` returns frozen ones)."""
+    model = tiny_gpt_neox(
+        VOCAB, hidden, layers, heads, intermediate, init, max_position_embeddings=1024, seed=seed
     )
-    return GPTNeoXForCausalLM(config)
+    return model.train().requires_grad_(True)
 
 
 def distil(target, draft, steps: int, batch: int, length: int, seed: int) -> float:

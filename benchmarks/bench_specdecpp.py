@@ -49,7 +49,7 @@ from specdistill.decoding.policies import (
 )
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.decoding.stats import DecodingStats
-from specdistill.decoding.toy import perturbed_copy, tiny_gpt_neox
+from specdistill.decoding.toy import toy_pair
 from specdistill.evaluation.runner import evaluate_policies
 from specdistill.models.acceptance_head import AcceptanceHead
 from specdistill.modules.acceptance_head import AcceptanceHeadModule
@@ -184,8 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
     logging.getLogger("lightning").setLevel(logging.ERROR)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     out = Path(args.out_dir or tempfile.mkdtemp(prefix="bench_specdecpp_"))
-    target = tiny_gpt_neox(args.vocab, args.hidden, args.layers, initializer_range=0.3, seed=args.seed)
-    draft = perturbed_copy(target, args.noise, seed=args.seed + 1)
+    target, draft = toy_pair(args.vocab, args.hidden, args.layers, noise=args.noise, seed=args.seed)
     target, draft = target.to(args.device), draft.to(args.device)
     sampling = SamplingConfig(temperature=args.temperature)
     prompts = random_prompts(args.train_prompts + args.val_prompts + args.test_prompts, args.vocab, args.seed)
