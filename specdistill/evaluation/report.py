@@ -14,10 +14,12 @@ Metric names are exactly METHODS section 0's; undefined metrics (e.g. the baseli
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
@@ -139,44 +141,57 @@ def _speculative_entries(data: dict[str, Any]) -> list[dict[str, Any]]:
     return [e for e in data["entries"] if e["counters"]["rounds"] > 0]
 
 
-def plot_acceptance_by_position(report: Report | dict[str, Any], path: str | Path) -> Path:
-    """Conditional acceptance at each candidate position, one line per speculative entry (PNG, Agg backend)."""
-    data = _as_dict(report)
+def _plot_per_entry(
+    report: Report | dict[str, Any],
+    path: str | Path,
+    draw: Callable[[Axes, dict[str, Any]], None],
+    xlabel: str,
+    ylabel: str,
+    ylim: tuple[float, float] | None = None,
+) -> Path:
+    """One PNG (Agg backend) with `draw(ax, entry)` called for each speculative entry; integer x ticks, legend."""
     fig = Figure(figsize=(7, 4.5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    for e in _speculative_entries(data):
-        values = e["counters"]["acceptance_by_position"]
-        xs = [i + 1 for i, v in enumerate(values) if v is not None]
-        ax.plot(xs, [v for v in values if v is not None], marker="o", label=e["name"])
+    for e in _speculative_entries(_as_dict(report)):
+        draw(ax, e)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("candidate position in round")
-    ax.set_ylabel("acceptance (given all earlier accepted)")
-    ax.set_ylim(0, 1.02)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if ylim is not None:
+        ax.set_ylim(*ylim)
     ax.grid(alpha=0.3)
     if ax.lines:
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return Path(path)
+
+
+def plot_acceptance_by_position(report: Report | dict[str, Any], path: str | Path) -> Path:
+    """Conditional acceptance at each candidate position, one line per speculative entry (PNG, Agg backend)."""
+
+    def draw(ax: Axes, e: dict[str, Any]) -> None:
+        values = e["counters"]["acceptance_by_position"]
+        xs = [i + 1 for i, v in enumerate(values) if v is not None]
+        ax.plot(xs, [v for v in values if v is not None], marker="o", label=e["name"])
+
+    return _plot_per_entry(
+        report,
+        path,
+        draw,
+        "candidate position in round",
+        "acceptance (given all earlier accepted)",
+        ylim=(0, 1.02),
+    )
 
 
 def plot_draft_length_hist(report: Report | dict[str, Any], path: str | Path) -> Path:
     """Fraction of rounds with each number of drafted candidates, one step line per speculative entry (PNG)."""
-    data = _as_dict(report)
-    fig = Figure(figsize=(7, 4.5))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    for e in _speculative_entries(data):
+
+    def draw(ax: Axes, e: dict[str, Any]) -> None:
         hist = e["counters"]["draft_length_hist"]
         total = sum(hist)
         ax.step(range(len(hist)), [h / total for h in hist], where="mid", label=e["name"])
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("candidates drafted in a round")
-    ax.set_ylabel("fraction of rounds")
-    ax.grid(alpha=0.3)
-    if ax.lines:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return Path(path)
+
+    return _plot_per_entry(report, path, draw, "candidates drafted in a round", "fraction of rounds")
