@@ -50,24 +50,25 @@ def truncate_at_eos(tokens: Sequence[int], eos_token_id: int | Sequence[int]) ->
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`(input_ids, attention_mask)`, both `(B, T)` long, padded on the left (generation continues on the right)."""
+    return _pad(sequences, pad_token_id, left=True)
+
+
+def right_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(input_ids, attention_mask)`, both `(B, T)` long, padded on the right."""
+    return _pad(sequences, pad_token_id, left=False)
+
+
+def _pad(
+    sequences: Sequence[Sequence[int]], pad_token_id: int, left: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for row, seq in enumerate(sequences):
         if len(seq):
-            ids[row, width - len(seq) :] = torch.as_tensor(list(seq), dtype=torch.long)
-            mask[row, width - len(seq) :] = 1
-    return ids, mask
-
-
-def right_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(input_ids, attention_mask)`, both `(B, T)` long, padded on the right."""
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        ids[row, : len(seq)] = torch.as_tensor(list(seq), dtype=torch.long)
-        mask[row, : len(seq)] = 1
+            cols = slice(width - len(seq), width) if left else slice(0, len(seq))
+            ids[row, cols] = torch.as_tensor(list(seq), dtype=torch.long)
+            mask[row, cols] = 1
     return ids, mask
 
 
