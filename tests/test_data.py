@@ -35,6 +35,16 @@ def tok():
     return arith_tokenizer()
 
 
+def with_chat_template(tokenizer):
+    """A copy of `tokenizer` with a minimal chat template: `<role>content` lines, then `<assistant>`."""
+    chat = copy.deepcopy(tokenizer)
+    chat.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    return chat
+
+
 def small_arith(**limits) -> Arith:
     return Arith(sizes={"train": 40, "validation": 10, "test": 10}, **limits)
 
@@ -306,11 +316,7 @@ def test_collate_uses_lengths_when_pad_equals_eos():
 
 
 def test_render_prompt_chat_template(tok):
-    chat = copy.deepcopy(tok)
-    chat.chat_template = (
-        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<assistant>{% endif %}"
-    )
+    chat = with_chat_template(tok)
     task = small_arith(chat_template=True)
     record = {"question": "Q?", "answer": "#### 1"}
     expected = "<user>Q?\nAnswer the above question. First think step by step and then answer the final number.\n\n<assistant>"
@@ -415,11 +421,7 @@ def test_chat_task_end_to_end(tok):
 
     from tasks.sharegpt import ShareGPT
 
-    chat = copy.deepcopy(tok)
-    chat.chat_template = (
-        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<assistant>{% endif %}"
-    )
+    chat = with_chat_template(tok)
     fixture = Path(__file__).parent / "fixtures" / "sharegpt" / "train.jsonl"
     task = ShareGPT(data_files=str(fixture), holdout={})
     dm = TaskDataModule(task, chat, max_length=256)
