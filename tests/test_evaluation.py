@@ -180,3 +180,93 @@ def test_bad_inputs_are_rejected(models_):
         evaluate_policies(*args, _prompts(1), None, None, GREEDY, 4)
     with pytest.raises(ValueError, match="unknown draft or policy"):
         evaluate_policies(*args, _prompts(1), None, None, GREEDY, 4, vocab_size=V, combinations=[("x", "k")])
+
+
+class _Logged(FixedLength):
+    """FixedLength that logs its label each time the engine starts a sequence with it (`reset`)."""
+
+    def __init__(self, k: int, label: str, log: list[str]) -> None:
+        super().__init__(k)
+        self.label, self.log = label, log
+
+    def reset(self) -> None:
+        self.log.append(self.label)
+
+
+def _policies() -> dict:
+    # persistent: the schedule carries its length across sequences, so sharing it between drafts would mix them
+    return {"k3": FixedLength(3), "sched": HeuristicSchedule(2, max_draft_length=6, persistent=True)}
+
+
+def _counters(report) -> dict:
+    timing = ("target_time_s", "draft_time_s", "wall_time_s", "oracle_probe_time_s")
+    return {
+        e.name: {k: v for k, v in e.stats.to_dict().items() if k not in timing and k != "tokens_per_second"}
+        for e in report.entries
+    }
+
+
+def test_interleaving_decodes_exactly_what_each_configuration_decodes_alone(models_):
+    target, drafts = models_
+    sampling = SamplingConfig(temperature=1.0)  # sampled, so a shifted seed or mixed policy state would show
+    prompts = _prompts(3)
+    kw = dict(vocab_size=V, seed=5, warmup=2)
+    joint = evaluate_policies(target, drafts, _policies(), prompts, _even_fraction, None, sampling, 10, **kw)
+    alone = [
+        evaluate_policies(
+            target, drafts, {}, prompts, _even_fraction, None, sampling, 10, combinations=[], **kw
+        )
+    ]
+    for d in drafts:
+        for p in _policies():
+            alone.append(
+                evaluate_policies(
+                    target,
+                    drafts,
+                    _policies(),
+                    prompts,
+                    _even_fraction,
+                    None,
+                    sampling,
+                    10,
+                    combinations=[(d, p)],
+                    baseline=False,
+                    **kw,
+                )  # fmt: skip
+            )
+    alone_entries = {e.name: e for r in alone for e in r.entries}
+    assert [e.name for e in joint.entries] == list(alone_entries)
+    for e in joint.entries:
+        assert e.outputs == alone_entries[e.name].outputs
+        assert e.task_metric == alone_entries[e.name].task_metric
+    # every counter but the timings: same rounds, draft lengths, acceptances
+    assert _counters(joint) == {k: v for r in alone for k, v in _counters(r).items()}
+
+    # repeats: stats summed over the passes, outputs and scores from the first only (same seeds: same tokens)
+    twice = evaluate_policies(
+        target, drafts, {"k3": FixedLength(3)}, prompts, _even_fraction, None, sampling, 10, repeats=2, **kw
+    )
+    assert twice.settings["repeats"] == 2
+    for e in twice.entries:
+        once = joint.entry(e.name)
+        assert e.outputs == once.outputs and e.task_metric == once.task_metric and e.num_scored == 2
+        assert e.stats.sequences == 2 * len(prompts)
+        assert e.stats.generated_tokens == 2 * once.stats.generated_tokens
+    with pytest.raises(ValueError, match="repeats"):
+        evaluate_policies(target, drafts, {}, prompts, None, None, GREEDY, 4, vocab_size=V, repeats=0)
+
+
+def test_configurations_take_turns_prompt_by_prompt(models_):
+    target, drafts = models_
+    log: list[str] = []
+    policies = {name: _Logged(k, name, log) for name, k in (("a", 1), ("b", 2), ("c", 3))}
+    evaluate_policies(
+        target, {"noisy": drafts["noisy"]}, policies, _prompts(4), None, None, GREEDY, 3,
+        vocab_size=V, baseline=False, warmup=1, repeats=2,
+    )  # fmt: skip
+    # warm-up of every configuration first, then per prompt (4 prompts x 2 passes) all three, rotating by one
+    assert log[:3] == ["a", "b", "c"]
+    rounds = [log[3 + 3 * s : 6 + 3 * s] for s in range(8)]
+    assert len(log) == 3 + 3 * 8
+    rotations = [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    assert rounds == [rotations[s % 3] for s in range(8)]

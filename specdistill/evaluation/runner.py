@@ -5,6 +5,16 @@ and, per prompt, a generator seeded with `seed + prompt index`; each configurati
 generations so one-time start-up costs do not land on whichever runs first. `speedup` divides by the baseline's
 tokens/s measured in the same call.
 
+Timing: the configurations are interleaved prompt by prompt, not run one block each. For prompt i every
+configuration decodes it once, in an order rotated by i (no configuration is always first), then prompt i + 1, and so
+on over `repeats` passes; each generation times itself (`DecodingStats.wall_time_s`) and a configuration's tokens/s
+is all its tokens / all its time. On a shared machine the speed drifts by tens of percent over minutes (other jobs,
+clocks); with one block per configuration that drift lands on whichever configuration's block it coincides with (a
+policy measured at 0.39x the baseline in blocks was 1.06x interleaved), while interleaved it hits every configuration
+within seconds of the others. Interleaving changes no output: each generation has its own seeded generator, and a
+policy object shared by several configurations is copied per configuration, so every configuration decodes exactly
+what it would alone (`benchmarks/bench_pipeline_policies.py` measures the same way).
+
 Honesty: choosing a draft length K or a threshold on the split you report is selection on the test set. The
 selection helpers (`select_policy`, `best_fixed_length`) take the split their prompts come from and refuse "test":
 select on validation, then report the chosen policy on test with `evaluate_policies`.
@@ -12,7 +22,10 @@ select on validation, then report the chosen policy on test with `evaluate_polic
 
 from __future__ import annotations
 
+import copy
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,37 +68,96 @@ def _resolve_eos(tokenizer, eos_token_id: int | Sequence[int] | None) -> int | S
     return tokenizer.eos_token_id
 
 
-def _run(
-    generate: Callable[[list[int], torch.Generator], GenerationResult],
-    prompts: Sequence[Mapping[str, Any]],
-    seed: int,
-    warmup: int,
-    tokenizer,
-    score_fn: ScoreFn | None,
-    keep_outputs: bool,
-    desc: str = "decode",
-) -> tuple[DecodingStats, list[dict[str, Any]], float | None, int]:
-    for i in range(warmup):
-        generate(list(prompts[i % len(prompts)]["prompt_ids"]), torch.Generator().manual_seed(seed - 1 - i))
-    stats: list[DecodingStats] = []
-    outputs: list[dict[str, Any]] = []
-    scores: list[float] = []
-    # the bar ticks between generations; each generation times itself, so it costs no measured time
-    for i, prompt in enumerate(tqdm(prompts, desc=desc, unit="prompt", leave=False)):
-        result = generate(list(prompt["prompt_ids"]), torch.Generator().manual_seed(seed + i))
-        stats.append(result.stats)
+Generate = Callable[[list[int], torch.Generator], GenerationResult]
+
+
+@dataclass
+class _Config:
+    """One configuration being evaluated and what its generations have accumulated so far."""
+
+    name: str
+    draft: str | None
+    policy: str | None
+    generate: Generate
+    stats: list[DecodingStats] = field(default_factory=list)
+    outputs: list[dict[str, Any]] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+
+    def record(
+        self,
+        result: GenerationResult,
+        prompt: Mapping[str, Any],
+        tokenizer,
+        score_fn: ScoreFn | None,
+        keep_output: bool,
+    ) -> None:
+        """Add one generation's stats; with `keep_output` (first pass only) also score and keep its output."""
+        self.stats.append(result.stats)
+        if not keep_output:
+            return
         text = tokenizer.decode(result.tokens, skip_special_tokens=True) if tokenizer is not None else None
         score = None
         if score_fn is not None:
             score = score_fn(text if tokenizer is not None else result.tokens, prompt["record"])
             if score is not None:
-                scores.append(float(score))
-        if keep_outputs:
-            outputs.append(
-                {"example_id": prompt["example_id"], "tokens": result.tokens, "text": text, "score": score}
-            )
-    task_metric = sum(scores) / len(scores) if scores else None
-    return DecodingStats.sum(stats), outputs, task_metric, len(scores)
+                self.scores.append(float(score))
+        self.outputs.append(
+            {"example_id": prompt["example_id"], "tokens": result.tokens, "text": text, "score": score}
+        )
+
+    def entry(self, keep_outputs: bool) -> ReportEntry:
+        task_metric = sum(self.scores) / len(self.scores) if self.scores else None
+        outputs = self.outputs if keep_outputs else []
+        return ReportEntry(
+            self.name,
+            self.draft,
+            self.policy,
+            DecodingStats.sum(self.stats),
+            task_metric,
+            len(self.scores),
+            outputs,
+        )
+
+
+def _rotated(items: Sequence[_Config], step: int) -> list[_Config]:
+    """`items` rotated left by `step` (mod its length): no configuration always decodes first."""
+    shift = step % len(items)
+    return [*items[shift:], *items[:shift]]
+
+
+def _interleave(
+    configs: Sequence[_Config],
+    prompts: Sequence[Mapping[str, Any]],
+    seed: int,
+    warmup: int,
+    repeats: int,
+    device: torch.device,
+    tokenizer,
+    score_fn: ScoreFn | None,
+) -> None:
+    """Warm every configuration up, then decode prompt by prompt, every configuration once per prompt and pass."""
+
+    if not configs:
+        return
+
+    def generator(
+        s: int,
+    ) -> torch.Generator:  # on the models' device: the engine refuses a CPU one for CUDA models
+        return torch.Generator(device).manual_seed(s)
+
+    for config in configs:
+        for i in range(warmup):
+            config.generate(list(prompts[i % len(prompts)]["prompt_ids"]), generator(seed - 1 - i))
+    steps = [(r, i) for r in range(repeats) for i in range(len(prompts))]
+    # the bar ticks between generations; each generation times itself, so it costs no measured time
+    bar = tqdm(steps, desc=f"evaluate {len(configs)} configurations", unit="prompt", leave=False)
+    for step, (r, i) in enumerate(bar):
+        prompt = prompts[i]
+        # every configuration decodes this prompt within moments of the others, first in turn: machine drift (other
+        # jobs, clocks, thermal) then lands on all of them alike instead of on whichever block of prompts it hits
+        for config in _rotated(configs, step):
+            result = config.generate(list(prompt["prompt_ids"]), generator(seed + i))
+            config.record(result, prompt, tokenizer, score_fn, keep_output=r == 0)
 
 
 def evaluate_policies(
@@ -107,13 +179,18 @@ def evaluate_policies(
     keep_outputs: bool = True,
     task_metric_name: str | None = None,
     split: str | None = None,
+    repeats: int = 1,
 ) -> Report:
     """Decode `prompts` with the target alone and with every draft x policy; score and time each run.
+
+    The configurations are timed interleaved, prompt by prompt in a rotating order (see the module docstring), so
+    machine drift during the call hits all of them alike.
 
     Args:
         target: the target causal LM (eval mode, on its device).
         drafts: draft name -> draft model.
-        policies: policy name -> `DraftPolicy` (policies are reset per sequence, so one object serves all drafts).
+        policies: policy name -> `DraftPolicy`; one object may serve several drafts (each configuration then gets
+            its own copy, so state a policy keeps across sequences never mixes drafts).
         prompts: dicts with `prompt_ids` (list of ids), `record` (the dataset record given to `score_fn`) and
             `example_id`.
         score_fn: `score_fn(text, record)` (or `score_fn(token_ids, record)` when `tokenizer` is None) -> task
@@ -126,11 +203,14 @@ def evaluate_policies(
         vocab_size: overrides `len(tokenizer)` (the real vocabulary: padded logit rows are ignored).
         combinations: (draft name, policy name) pairs to run, e.g. to pair an acceptance-head policy with the draft
             it was trained on; default every pair.
-        baseline: run the autoregressive target first (needed for `speedup`).
-        warmup: untimed generations per configuration before the timed ones.
+        baseline: also run the autoregressive target (needed for `speedup`); it is entry 0 of the report.
+        warmup: untimed generations per configuration, all done before the first timed one.
         keep_outputs: keep per-prompt outputs (written to outputs.jsonl by `Report.save`).
         task_metric_name: label of the task metric in the table (e.g. the task's `metric_name`).
         split: the split the prompts come from, recorded in the report settings.
+        repeats: timed passes over all prompts; stats (tokens, time, counters) are summed over every pass, while
+            outputs, scores and the task metric come from the first pass only (with sampling, later passes reuse
+            the same seeds and so decode the same tokens).
     """
     _check_prompts(prompts)
     vocab = _resolve_vocab(tokenizer, vocab_size)
@@ -142,32 +222,40 @@ def evaluate_policies(
             raise ValueError(f"combination ({d!r}, {p!r}) names an unknown draft or policy")
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1 (timed passes over the prompts), got {repeats!r}")
 
-    def entry(name: str, draft: str | None, policy: str | None, generate) -> ReportEntry:
-        stats, outputs, task_metric, num_scored = _run(
-            generate, prompts, seed, warmup, tokenizer, score_fn, keep_outputs, desc=name
-        )
-        return ReportEntry(name, draft, policy, stats, task_metric, num_scored, outputs)
+    device = next(target.parameters()).device
 
-    entries: list[ReportEntry] = []
+    configs: list[_Config] = []
     if baseline:
 
         def ar(ids: list[int], gen: torch.Generator) -> GenerationResult:
             return autoregressive(target, ids, max_new_tokens, sampling, eos, vocab, gen)
 
-        entries.append(entry(BASELINE_NAME, None, None, ar))
+        configs.append(_Config(BASELINE_NAME, None, None, ar))
+    uses = Counter(id(policies[p]) for _, p in combinations)
     for draft_name, policy_name in combinations:
-        decoder = SpeculativeDecoder(target, drafts[draft_name], policies[policy_name], sampling, eos, vocab)
+        policy = policies[policy_name]
+        # interleaved runs would feed one shared policy object the sequences of several drafts in turn; a policy
+        # that keeps state across sequences (HeuristicSchedule(persistent=True)) gets a copy per configuration so
+        # each configuration behaves exactly as it would alone
+        if uses[id(policy)] > 1:
+            policy = copy.deepcopy(policy)
+        decoder = SpeculativeDecoder(target, drafts[draft_name], policy, sampling, eos, vocab)
 
         def spec(ids: list[int], gen: torch.Generator, decoder=decoder) -> GenerationResult:
             return decoder.generate(ids, max_new_tokens, gen)
 
-        entries.append(entry(f"{draft_name}/{policy_name}", draft_name, policy_name, spec))
+        configs.append(_Config(f"{draft_name}/{policy_name}", draft_name, policy_name, spec))
+    _interleave(configs, prompts, seed, warmup, repeats, device, tokenizer, score_fn)
+    entries = [config.entry(keep_outputs) for config in configs]
     settings = {
         "num_prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
         "seed": seed,
         "warmup": warmup,
+        "repeats": repeats,
         "sampling": {
             "temperature": sampling.temperature,
             "top_k": sampling.top_k,
@@ -177,7 +265,7 @@ def evaluate_policies(
         "vocab_size": vocab,
         "task_metric_name": task_metric_name,
         "split": split,
-        "device": str(next(target.parameters()).device),
+        "device": str(device),
     }
     return Report(entries, settings)
 
@@ -207,8 +295,11 @@ def select_policy(
     eos_token_id: int | Sequence[int] | None = None,
     vocab_size: int | None = None,
     warmup: int = 1,
+    repeats: int = 1,
 ) -> tuple[str, dict[str, float | None]]:
     """Pick the candidate policy with the highest `criterion` on a selection split (never "test").
+
+    The candidates are timed interleaved like `evaluate_policies` (no autoregressive baseline); `repeats` passes.
 
     Returns:
         (best candidate name, criterion value per candidate).
@@ -232,6 +323,7 @@ def select_policy(
         vocab_size=vocab_size,
         baseline=False,
         warmup=warmup,
+        repeats=repeats,
         keep_outputs=False,
         split=split,
     )
