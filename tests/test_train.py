@@ -30,7 +30,7 @@ def chain(tmp_path_factory):
     )
     adaspec = root / "adaspec"
     proc = run_train(
-        ["stage=adaspec", *TINY, target, *stage_overrides("adaspec"), f"adaspec.reference={distill / 'export'}",
+        ["stage=adaspec", *TINY, target, *stage_overrides("adaspec"), f"adaspec.reference={distill / 'export'}", "adaspec.cached_scores=true",
          f"hydra.run.dir={adaspec}"]
     )  # fmt: skip
     check_ok(proc)

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
 from specdistill.decoding.head_policy import load_head_policy
 from specdistill.decoding.policies import FixedLength
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.evaluation.report import format_table
-from specdistill.evaluation.runner import best_fixed_length, evaluate_policies
+from specdistill.evaluation.runner import best_fixed_length, evaluate_policies, select_policy
 from specdistill.models import ModelSpec, freeze
 from specdistill.stages.common import (
     build_datamodule,
@@ -41,6 +41,42 @@ def draft_specs(cfg: DictConfig) -> dict[str, ModelSpec]:
         return {"draft": model_spec(cfg.models.draft)}
     dtype = cfg.models.draft.dtype
     return {name: ModelSpec(pretrained_model_name_or_path=path, dtype=dtype) for name, path in drafts.items()}
+
+
+def head_policies(head_dir: str, settings: DictConfig, device: torch.device) -> dict:
+    """SpecDec++ policies for every threshold h and scoring mode to choose from (names `specdecpp_h0.5[_newest]`)."""
+    modes = settings.head_score_newest
+    modes = list(modes) if isinstance(modes, (list, ListConfig)) else [bool(modes)]
+    return {
+        f"specdecpp_h{h}{'_newest' if newest else ''}": load_head_policy(
+            head_dir, threshold=h, score_newest=newest, device=device
+        )
+        for h in settings.head_thresholds
+        for newest in modes
+    }
+
+
+def policy_ratios(report, choices: dict[str, dict]) -> dict[str, float]:
+    """tokens/s of each draft's validation-chosen SpecDec++ policy over its best fixed K and over its oracle."""
+    speed = {e["name"]: e["metrics"]["tokens_per_second"] for e in report.to_dict()["entries"]}
+    ratios = {}
+    for draft, choice in choices.items():
+        head = speed.get(f"{draft}/{choice.get('best_head')}")
+        fixed = speed.get(f"{draft}/fixed_k{choice['best_k']}")
+        oracle = speed.get(f"{draft}/oracle")
+        if head and fixed:
+            ratios[f"{draft}/specdecpp_over_best_fixed_k"] = head / fixed
+        if head and oracle:
+            ratios[f"{draft}/specdecpp_over_oracle"] = head / oracle
+    return ratios
+
+
+def format_ratios(choices: dict[str, dict], ratios: dict[str, float]) -> str:
+    lines = ["chosen on the selection split (tokens/s): " + "; ".join(
+        f"{d}: K={c['best_k']}" + (f", {c['best_head']}" if c.get("best_head") else "") for d, c in choices.items()
+    )]  # fmt: skip
+    lines += [f"{name} = {value:.3f}" for name, value in ratios.items()]
+    return "\n".join(lines)
 
 
 def logger_for(cfg: DictConfig, out_dir: Path):
@@ -76,23 +112,28 @@ def run(cfg: DictConfig) -> dict:
 
     policies = {name: instantiate(node) for name, node in (settings.policies or {}).items()}
     combinations = [(d, p) for d in models for p in policies]
-    fixed_choice: dict[str, dict] = {}
+    selection = dict(
+        prompts=selection_prompts,
+        split=settings.selection_split,
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
+        **common,
+    )
+    choices: dict[str, dict] = {}
     for draft_name, draft in models.items():
-        best_k, per_k = best_fixed_length(
-            target, draft, list(settings.fixed_lengths), selection_prompts, split=settings.selection_split,
-            tokenizer=tokenizer, vocab_size=vocab_size, **common,
-        )  # fmt: skip
-        fixed_choice[draft_name] = {"best_k": best_k, "tokens_per_second_by_k": per_k}
+        best_k, per_k = best_fixed_length(target, draft, list(settings.fixed_lengths), **selection)
+        choices[draft_name] = {"best_k": best_k, "tokens_per_second_by_k": per_k}
         name = f"fixed_k{best_k}"
         policies.setdefault(name, FixedLength(best_k))
         combinations.insert(0, (draft_name, name))
         head_dir = (settings.heads or {}).get(draft_name)
-        for h in settings.head_thresholds if head_dir else []:
-            name = f"{draft_name}_specdecpp_h{h}"
-            policies[name] = load_head_policy(
-                head_dir, threshold=h, score_newest=settings.head_score_newest, device=device
-            )
-            combinations.append((draft_name, name))
+        if head_dir:
+            candidates = head_policies(head_dir, settings, device)
+            best, per_h = select_policy(target, draft, candidates, **selection)
+            choices[draft_name].update(best_head=f"{draft_name}_{best}", tokens_per_second_by_head=per_h)
+            for name, policy in candidates.items():
+                policies[f"{draft_name}_{name}"] = policy
+                combinations.append((draft_name, f"{draft_name}_{name}"))
     combinations.sort(key=lambda c: list(models).index(c[0]))
 
     report = evaluate_policies(
@@ -100,16 +141,18 @@ def run(cfg: DictConfig) -> dict:
         vocab_size=vocab_size, combinations=combinations, warmup=settings.warmup,
         task_metric_name=task.metric_name, split=settings.split, **common,
     )  # fmt: skip
-    report.settings["fixed_length_selection"] = {"split": settings.selection_split, **fixed_choice}
+    ratios = policy_ratios(report, choices)
+    report.settings["selection"] = {"split": settings.selection_split, **choices}
+    report.settings["ratios"] = ratios
     report.save(out_dir)
     rows = [
         {"name": e["name"], **e["metrics"], "task_metric": e["task_metric"]}
         for e in report.to_dict()["entries"]
     ]
     log_report(logger_for(cfg, out_dir), {"entries": rows}, images=sorted(Path(out_dir).glob("*.png")))
-    table = format_table(report)
+    table = format_table(report) + "\n" + format_ratios(choices, ratios)
     (Path(out_dir) / "report.txt").write_text(table + "\n")
     print(table)
     return write_result(
-        out_dir, {"stage": "evaluate", "report": str(Path(out_dir) / "report.json"), "table": table}
+        out_dir, {"stage": "evaluate", "report": str(Path(out_dir) / "report.json"), **ratios, "table": table}
     )
