@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import lightning as L
@@ -90,7 +91,7 @@ def test_without_an_account_the_run_goes_offline_and_keeps_the_logged_metrics(
     logger.log_hyperparams({"lr": 0.1})
     logger.experiment.finish()
 
-    run = read_offline_run(offline_run_dir(tmp_path))
+    run = read_finished_run(offline_run_dir(tmp_path))
     losses = [row["train/loss"] for row in run["history"] if "train/loss" in row]
     assert len(losses) == 4 and all(isinstance(v, float) for v in losses)
     assert [row["trainer/global_step"] for row in run["history"] if "train/loss" in row] == [0, 1, 2, 3]
@@ -100,6 +101,20 @@ def test_without_an_account_the_run_goes_offline_and_keeps_the_logged_metrics(
     assert run["run"]["name"] == tmp_path.name  # outside Hydra: the run directory's name
     # the run id is kept beside the run so that a requeued job continues the same W&B run
     assert (tmp_path / "wandb_run_id.txt").read_text() == run["run"]["id"]
+
+
+def read_finished_run(path: Path, timeout_s: float = 30.0) -> dict:
+    """Read an offline run once W&B's service process has written its summary.
+
+    `finish()` hands the last records to a separate service process that writes the run file; on a loaded machine
+    the file can lag behind by a moment (seen once in a full-suite run), so wait for the summary record.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        run = read_offline_run(path)
+        if run["summary"] or time.monotonic() > deadline:
+            return run
+        time.sleep(0.5)
 
 
 def test_report_table_images_and_export_artifact(no_account, tmp_path: Path) -> None:
@@ -123,7 +138,7 @@ def test_report_table_images_and_export_artifact(no_account, tmp_path: Path) -> 
     assert log_export(logger, export, {"stage": "distill"})
     logger.experiment.finish()
 
-    run = read_offline_run(offline_run_dir(tmp_path / "run"))
+    run = read_finished_run(offline_run_dir(tmp_path / "run"))
     logged = {key for row in run["history"] for key in row}
     assert {"report/_type", "report/per_task/_type", "report/acceptance_vs_k/_type"} <= logged
     images = [
