@@ -138,7 +138,7 @@ def run(cfg: DictConfig) -> dict:
 
     report = evaluate_policies(
         target, models, policies, test_prompts, task.score if task.scoring_available else None, tokenizer,
-        vocab_size=vocab_size, combinations=combinations, warmup=settings.warmup,
+        vocab_size=vocab_size, combinations=combinations, warmup=settings.warmup, repeats=settings.repeats,
         task_metric_name=task.metric_name, split=settings.split, **common,
     )  # fmt: skip
     ratios = policy_ratios(report, choices)
