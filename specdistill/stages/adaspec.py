@@ -24,16 +24,13 @@ from specdistill.selection.scoring import score_reference
 from specdistill.stages.common import (
     build_datamodule,
     build_trainer,
-    export_trained,
-    fit,
     load_models,
     model_spec,
-    restore_best,
     seed_everything,
     stage_dir,
     write_result,
 )
-from specdistill.stages.distill import validate
+from specdistill.stages.distill import train_and_export
 
 log = logging.getLogger(__name__)
 
@@ -87,18 +84,9 @@ def run(cfg: DictConfig) -> dict:
         accumulate_grad_batches=settings.accumulate_grad_batches,
     )
     trainer = build_trainer(cfg, out_dir, settings, callbacks=[selection])
-    before = {f"{k}_before": v for k, v in validate(trainer, module, datamodule).items()}
-    fit(trainer, module, datamodule)
-    restore_best(trainer, module)
-    after = validate(trainer, module, datamodule)
-    export = export_trained(
-        trainer,
-        module.draft,
-        tokenizer,
-        out_dir / "export",
-        {"stage": "adaspec", "task": cfg.task.name, "reference": settings.reference, "k": k, **after},
-    )
-    return write_result(out_dir, {"stage": "adaspec", "k": k, **before, **after, "export": str(export)})
+    metadata = {"stage": "adaspec", "task": cfg.task.name, "reference": settings.reference, "k": k}
+    trained = train_and_export(trainer, module, datamodule, tokenizer, out_dir, metadata)
+    return write_result(out_dir, {"stage": "adaspec", "k": k, **trained})
 
 
 def reference_scores(

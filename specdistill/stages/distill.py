@@ -40,18 +40,22 @@ def run(cfg: DictConfig) -> dict:
         accumulate_grad_batches=settings.accumulate_grad_batches,
     )
     trainer = build_trainer(cfg, out_dir, settings)
+    metadata = {"stage": "distill", "task": cfg.task.name}
+    trained = train_and_export(trainer, module, datamodule, tokenizer, out_dir, metadata)
+    return write_result(out_dir, {"stage": "distill", **trained})
+
+
+def train_and_export(trainer, module: DistillModule, datamodule, tokenizer, out_dir, metadata: dict) -> dict:
+    """Validate, fit (resuming if a checkpoint exists), keep the best epoch if asked, validate again, export the draft.
+
+    Returns the validation metrics before (`<name>_before`) and after training, and the export path.
+    """
     before = {f"{k}_before": v for k, v in validate(trainer, module, datamodule).items()}
     fit(trainer, module, datamodule)
     restore_best(trainer, module)
     after = validate(trainer, module, datamodule)
-    export = export_trained(
-        trainer,
-        module.draft,
-        tokenizer,
-        out_dir / "export",
-        {"stage": "distill", "task": cfg.task.name, **after},
-    )
-    return write_result(out_dir, {"stage": "distill", **before, **after, "export": str(export)})
+    export = export_trained(trainer, module.draft, tokenizer, out_dir / "export", {**metadata, **after})
+    return {**before, **after, "export": str(export)}
 
 
 def validate(trainer, module, datamodule) -> dict[str, float]:
