@@ -74,7 +74,7 @@ from typing import Any
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing; the run's task is `tasks.<name>`
@@ -90,8 +90,11 @@ from specdistill.decoding.policies import (  # noqa: E402
 )
 from specdistill.decoding.sampling import SamplingConfig  # noqa: E402
 from specdistill.decoding.stats import DecodingStats, speedup  # noqa: E402
-from specdistill.models import ModelSpec, freeze  # noqa: E402
-from specdistill.stages.common import build_datamodule, load_models  # noqa: E402
+from specdistill.stages.common import (  # noqa: E402
+    build_datamodule,
+    load_frozen_target_and_drafts,
+    named_drafts,
+)
 
 # draft name (as in the pipeline's evaluate.drafts) -> the stage directory holding its export
 DRAFT_STAGES = {"distillspec": "distill", "adaspec": "adaspec"}
@@ -314,18 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     sampling = SamplingConfig(temperature=args.temperature, greedy=args.temperature == 0)
 
-    # the dtypes the evaluate stage uses: the target's and the draft's of the run's model pair
-    specs = {
-        "target": ModelSpec(pretrained_model_name_or_path=str(target_dir), dtype=cfg.models.target.dtype)
-    }
-    specs |= {
-        d: ModelSpec(pretrained_model_name_or_path=str(p), dtype=cfg.models.draft.dtype)
-        for d, p in draft_dirs.items()
-    }
-    tokenizer, models, vocab = load_models(cfg, specs)
-    for model in models.values():
-        freeze(model).to(device)
-    target = models.pop("target")
+    # the models the run's evaluate stage used: its exports, with the pair's dtypes
+    with open_dict(cfg):
+        cfg.models.target.pretrained_model_name_or_path = str(target_dir)
+    drafts = named_drafts(cfg, {d: str(p) for d, p in draft_dirs.items()})
+    tokenizer, target, models, vocab = load_frozen_target_and_drafts(cfg, drafts, device)
     setup = Setup(target, sampling, tokenizer.eos_token_id, vocab, args.max_new_tokens, device, seed)
     datamodule = build_datamodule(cfg, tokenizer, cfg.evaluate)
     selection_prompts = [

@@ -19,11 +19,11 @@ from specdistill.stages.common import (
     fit,
     load_models,
     logged_metrics,
+    named_drafts,
     seed_everything,
     stage_dir,
     write_result,
 )
-from specdistill.stages.rollout import named_drafts
 
 VAL_METRICS = ["val/head_bce", "val/binary_kl", "val/auroc_rejection", "val/ece"]
 

@@ -62,6 +62,35 @@ def load_models(
     return tokenizer, models, vocab_size
 
 
+def named_drafts(cfg: DictConfig, paths: DictConfig | None) -> dict[str, ModelSpec]:
+    """`paths` (draft name -> export directory) as model specs, or the pair's draft (`draft`) when none is given."""
+    if not paths:
+        return {"draft": model_spec(cfg.models.draft)}
+    dtype = cfg.models.draft.dtype
+    return {name: ModelSpec(pretrained_model_name_or_path=path, dtype=dtype) for name, path in paths.items()}
+
+
+def pick_device(name: str) -> torch.device:
+    """`auto`: CUDA when available, else CPU; any other value is a torch device name."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def load_frozen_target_and_drafts(
+    cfg: DictConfig, drafts: dict[str, ModelSpec], device: torch.device
+) -> tuple[PreTrainedTokenizerBase, PreTrainedModel, dict[str, PreTrainedModel], int]:
+    """For stages without training (rollout, evaluate): `(tokenizer, target, drafts, vocab_size)`, all frozen on
+    `device`, after the same tokenizer checks as every other stage."""
+    from specdistill.models import freeze
+
+    tokenizer, models, vocab_size = load_models(cfg, {"target": model_spec(cfg.models.target), **drafts})
+    for model in models.values():
+        freeze(model).to(device)
+    target = models.pop("target")
+    return tokenizer, target, models, vocab_size
+
+
 def build_datamodule(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, settings: DictConfig):
     from specdistill.data.datamodule import TaskDataModule
 

@@ -20,11 +20,11 @@ from specdistill.decoding.policies import FixedLength
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.evaluation.report import format_table
 from specdistill.evaluation.runner import best_fixed_length, evaluate_policies, select_policy
-from specdistill.models import ModelSpec, freeze
 from specdistill.stages.common import (
     build_datamodule,
-    load_models,
-    model_spec,
+    load_frozen_target_and_drafts,
+    named_drafts,
+    pick_device,
     seed_everything,
     stage_dir,
     write_result,
@@ -32,15 +32,6 @@ from specdistill.stages.common import (
 from specdistill.utils.wandb_logger import log_report
 
 log = logging.getLogger(__name__)
-
-
-def draft_specs(cfg: DictConfig) -> dict[str, ModelSpec]:
-    """Drafts to evaluate: `evaluate.drafts` (name -> export path), or the pair's draft when none is given."""
-    drafts = cfg.evaluate.drafts or {}
-    if not drafts:
-        return {"draft": model_spec(cfg.models.draft)}
-    dtype = cfg.models.draft.dtype
-    return {name: ModelSpec(pretrained_model_name_or_path=path, dtype=dtype) for name, path in drafts.items()}
 
 
 def head_policies(head_dir: str, settings: DictConfig, device: torch.device) -> dict:
@@ -84,25 +75,16 @@ def logger_for(cfg: DictConfig, out_dir: Path):
     return instantiate(cfg.logger, save_dir=str(out_dir)) if cfg.get("logger") else None
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def run(cfg: DictConfig) -> dict:
     settings = cfg.evaluate
     out_dir = stage_dir(cfg, "evaluate")
     seed_everything(cfg)
-    drafts = draft_specs(cfg)
+    drafts = named_drafts(cfg, settings.drafts)
     unknown_heads = set(settings.heads or {}) - set(drafts)
     if unknown_heads:
         raise ValueError(f"evaluate.heads names drafts that are not evaluated: {sorted(unknown_heads)}")
-    tokenizer, models, vocab_size = load_models(cfg, {"target": model_spec(cfg.models.target), **drafts})
     device = pick_device(settings.device)
-    for model in models.values():
-        freeze(model).to(device)
-    target = models.pop("target")
+    tokenizer, target, models, vocab_size = load_frozen_target_and_drafts(cfg, drafts, device)
     datamodule = build_datamodule(cfg, tokenizer, settings)
     task = datamodule.task
     test_prompts = datamodule.prompts(settings.split)[: settings.num_prompts]

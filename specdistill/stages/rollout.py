@@ -13,25 +13,16 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from specdistill.decoding.sampling import SamplingConfig
-from specdistill.models import ModelSpec, freeze
 from specdistill.rollout.run import run_rollouts
 from specdistill.stages.common import (
     build_datamodule,
-    load_models,
-    model_spec,
+    load_frozen_target_and_drafts,
+    named_drafts,
+    pick_device,
     seed_everything,
     stage_dir,
     write_result,
 )
-from specdistill.stages.evaluate import pick_device
-
-
-def named_drafts(cfg: DictConfig, paths: DictConfig | None) -> dict[str, ModelSpec]:
-    """`paths` (name -> export directory) as model specs, or the pair's draft when no path is given."""
-    if not paths:
-        return {"draft": model_spec(cfg.models.draft)}
-    dtype = cfg.models.draft.dtype
-    return {name: ModelSpec(pretrained_model_name_or_path=path, dtype=dtype) for name, path in paths.items()}
 
 
 def run(cfg: DictConfig) -> dict:
@@ -39,11 +30,8 @@ def run(cfg: DictConfig) -> dict:
     out_dir = stage_dir(cfg, "rollout")
     seed_everything(cfg)
     drafts = named_drafts(cfg, settings.drafts)
-    tokenizer, models, vocab_size = load_models(cfg, {"target": model_spec(cfg.models.target), **drafts})
     device = pick_device(settings.device)
-    for model in models.values():
-        freeze(model).to(device)
-    target = models.pop("target")
+    tokenizer, target, models, vocab_size = load_frozen_target_and_drafts(cfg, drafts, device)
     datamodule = build_datamodule(cfg, tokenizer, settings)
     prompts = [p["prompt_ids"] for p in datamodule.prompts(settings.split)]
     if settings.num_prompts:
