@@ -220,6 +220,32 @@ def test_rollouts_refuse_other_settings(pair, rollout_dir):
                      seed=8, vocab_size=VOCAB)  # fmt: skip
 
 
+def test_reused_responses_label_another_draft_exactly_as_a_fresh_run(
+    pair, rollout_dir, tmp_path, monkeypatch
+):
+    """A second draft labels the first run's responses: the same dataset as generating them again, no generation."""
+    target, _ = pair
+    other = (target, target)  # another draft: here the target itself
+    fresh = _run(other, tmp_path / "fresh")
+
+    import specdistill.rollout.run as run_module
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("responses were generated although they could be reused")
+
+    monkeypatch.setattr(run_module, "generate_responses", no_generation)
+    reused = _run(other, tmp_path / "reused", responses_from=rollout_dir)
+    assert reused.to_dict() == fresh.to_dict()
+    assert reused["response_ids"][:] == load_rollouts(rollout_dir)["response_ids"][:]
+
+
+def test_reused_responses_must_come_from_the_same_settings(pair, rollout_dir, tmp_path):
+    target, draft = pair
+    with pytest.raises(ValueError, match="seed"):
+        run_rollouts(target, draft, PROMPTS, tmp_path / "other", SamplingConfig(temperature=0.9, top_p=0.95), 5, 2,
+                     2, seed=8, vocab_size=VOCAB, responses_from=rollout_dir)  # fmt: skip
+
+
 def test_collator_and_hidden_cache(pair, rollout_dir, tmp_path):
     _, draft = pair
     rollouts = load_rollouts(rollout_dir)

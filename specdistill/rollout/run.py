@@ -78,6 +78,7 @@ def run_rollouts(
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
     on_shard_done: Callable[[int], None] | None = None,
+    responses_from: str | Path | None = None,
 ) -> datasets.Dataset:
     """Label every prompt's rollout for acceptance-head training and store the result in `out_dir`.
 
@@ -100,6 +101,9 @@ def run_rollouts(
         eos_token_id: ends a response; default the target's generation config.
         pad_token_id: pads batches; default the target's generation config, else EOS.
         on_shard_done: called with the shard index after each shard is saved (progress hooks, tests).
+        responses_from: a finished rollout directory made with the same prompts, sampling, seed, budget and shards
+            (e.g. for another draft): its target responses are reused instead of generated again. They are exactly
+            what this call would generate (the same per-shard seeds), so only the labelling passes run.
 
     Returns:
         The whole rollout dataset (`load_rollouts(out_dir)`).
@@ -130,6 +134,7 @@ def run_rollouts(
         "eos_token_id": eos_token_id,
         "pad_token_id": pad_token_id,
     }
+    reused = _reusable_responses(responses_from, settings) if responses_from is not None else None
     finished = set(prepare_out_dir(out_dir, settings))
     total_shards = num_shards(len(prompts), shard_size)
     if finished:
@@ -158,6 +163,7 @@ def run_rollouts(
                 eos_token_id=eos_token_id,
                 pad_token_id=pad_token_id,
                 progress=progress,
+                responses=None if reused is None else [reused[i] for i in indices],
             )
             write_shard(out_dir, shard, columns, FEATURES)
             if on_shard_done is not None:
@@ -180,8 +186,10 @@ def _roll_out_shard(
     eos_token_id: int | list[int],
     pad_token_id: int,
     progress: tqdm,
+    responses: list[list[int]] | None = None,
 ) -> dict[str, list]:
-    """Columns of one shard: `prompts[j]` is the prompt with index `indices[j]`."""
+    """Columns of one shard: `prompts[j]` is the prompt with index `indices[j]`; `responses`, when given, are the
+    shard's target responses (generated otherwise)."""
     torch.manual_seed(shard_seed)  # model.generate draws from the global RNG
     draft_device = next(draft.parameters()).device
     generator = torch.Generator(device=draft_device).manual_seed(shard_seed)
@@ -189,19 +197,41 @@ def _roll_out_shard(
     for start in range(0, len(indices), batch_size):
         batch_indices = indices[start : start + batch_size]
         batch_prompts = prompts[start : start + batch_size]
-        responses = generate_responses(
-            target, batch_prompts, sampling, max_new_tokens, eos_token_id, pad_token_id, vocab_size
-        )
+        if responses is None:
+            batch_responses = generate_responses(
+                target, batch_prompts, sampling, max_new_tokens, eos_token_id, pad_token_id, vocab_size
+            )
+        else:
+            batch_responses = responses[start : start + batch_size]
         tokens, labels = label_responses(
-            target, draft, batch_prompts, responses, label_sampling, pad_token_id, vocab_size, generator
+            target, draft, batch_prompts, batch_responses, label_sampling, pad_token_id, vocab_size, generator
         )
         columns["prompt_index"] += batch_indices
         columns["prompt_ids"] += batch_prompts
-        columns["response_ids"] += responses
+        columns["response_ids"] += batch_responses
         columns["draft_tokens"] += tokens
         columns["labels"] += labels
         progress.update(len(batch_indices))
     return columns
+
+
+# settings that decide the target responses (the labels also depend on the draft and the labelling warping)
+_RESPONSE_SETTINGS = (
+    "num_prompts", "prompts_sha256", "shard_size", "seed", "max_new_tokens", "vocab_size", "sampling",
+    "eos_token_id", "pad_token_id",
+)  # fmt: skip
+
+
+def _reusable_responses(source_dir: str | Path, settings: dict[str, Any]) -> list[list[int]]:
+    """The response of every prompt in `source_dir`, after checking it was generated exactly as this run would."""
+    source = read_settings(source_dir)
+    differing = [k for k in _RESPONSE_SETTINGS if source.get(k) != settings[k]]
+    if differing:
+        raise ValueError(
+            f"cannot reuse the responses in {source_dir}: they were generated with other {', '.join(differing)}. "
+            "Drop responses_from, or point it at rollouts of the same prompts and settings."
+        )
+    return [list(r) for r in load_rollouts(source_dir)["response_ids"]]
 
 
 def load_rollouts(out_dir: str | Path) -> datasets.Dataset:

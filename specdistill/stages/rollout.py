@@ -45,6 +45,8 @@ def run(cfg: DictConfig) -> dict:
             batch_size=settings.batch_size, shard_size=settings.shard_size, seed=cfg.seed, vocab_size=vocab_size,
             label_temperature_one=settings.label_temperature_one, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
+            # the target's responses do not depend on the draft: generate them once, label them for each draft
+            responses_from=next(iter(rollouts.values()), None),
         )  # fmt: skip
         rollouts[name] = str(directory)
         labels = [a for row in dataset["labels"] for a in row]
