@@ -64,7 +64,7 @@ def test_head_save_load_round_trip(tmp_path):
     head.save(tmp_path / "head")
     assert sorted(p.name for p in (tmp_path / "head").iterdir()) == ["head_config.json", "model.safetensors"]
     loaded = AcceptanceHead.load(tmp_path / "head")
-    assert loaded.config() == {"hidden_size": 16, "num_blocks": 3}
+    assert loaded.config() == {"hidden_size": 16, "num_blocks": 3, "input": "candidate"}
     x = torch.randn(7, 16)
     torch.testing.assert_close(loaded(x), head(x), rtol=0, atol=0)
 
@@ -338,5 +338,7 @@ def test_head_config_builds_the_head():
 
     cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "head" / "default.yaml")
     head = instantiate(cfg.model, hidden_size=24)
-    assert isinstance(head, AcceptanceHead) and head.config() == {"hidden_size": 24, "num_blocks": 3}
+    assert isinstance(head, AcceptanceHead)
+    assert head.config() == {"hidden_size": 24, "num_blocks": 3, "input": "proposer"}
+    assert head.input_size == 24 + 2
     assert (cfg.w_acc, cfg.w_rej, cfg.mixing_ratio) == (1.0, 6.0, 0.15)

@@ -32,6 +32,7 @@ from transformers.cache_utils import Cache
 from specdistill.decoding.policies import DraftPolicy, DraftStep
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.decoding.stats import DecodingStats
+from specdistill.models.acceptance_head import draft_logits
 from specdistill.models.cache import crop_cache, forward_with_cache
 from specdistill.models.vocab import check_model_covers_vocab
 
@@ -403,12 +404,10 @@ class SpeculativeDecoder:
         while True:
             index += 1
             pos = n + index - 1
+            probs = self.sampling.policy_probs(logits)
             if greedy:
                 token_t = logits.argmax()
-                # One-hot would tell a policy nothing: greedy policies see the draft's unwarped confidence.
-                probs = logits.float().softmax(-1)
             else:
-                probs = self.sampling.warp_probs(logits)
                 token_t = torch.multinomial(probs, 1, generator=generator)[0]
                 q_rows.append(probs)
             seq.buf[0, pos] = token_t
@@ -455,11 +454,7 @@ class SpeculativeDecoder:
 
     def _check_hidden_is_final(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
         """hidden_states[-1] must be the state the LM head reads (after the final norm), or policies get garbage."""
-        head = self.draft.get_output_embeddings()
-        recomputed = head(hidden)
-        softcap = getattr(self.draft.config, "final_logit_softcapping", None)
-        if softcap:
-            recomputed = torch.tanh(recomputed / softcap) * softcap
+        recomputed = draft_logits(self.draft, hidden)
         if not torch.allclose(recomputed.float(), logits.float(), rtol=1e-3, atol=1e-3):
             raise ValueError(
                 f"{type(self.draft).__name__}: output_hidden_states[-1] is not the final-norm state the LM head "

@@ -11,6 +11,10 @@ Which candidates are scored depends on `score_newest`:
   unscored. At index 1 the hidden state belongs to the last accepted token, which is no candidate and is not scored.
 - `True` (engine `feed_newest = True`): the engine feeds the newest candidate first and the head scores it, so the
   decision at step `index` covers candidates `1..index`.
+
+A proposer head (`AcceptanceHead.input == "proposer"`) scores candidate `index` from the state that proposed it, which
+the engine already has at step `index` without feeding anything: its decisions cover candidates `1..index` at the
+public rule's cost (`score_newest` must stay False; `scores_newest` is True).
 """
 
 from __future__ import annotations
@@ -117,8 +121,15 @@ class AcceptanceHeadPolicy(DraftPolicy):
         self.threshold = float(threshold)
         self.stop_min_length = int(min_draft_length)
         self.max_draft_length = int(max_draft_length)
+        if head.uses_proposer and score_newest:
+            raise ValueError(
+                "score_newest=True feeds each candidate to the draft before scoring it, which only a candidate head "
+                "needs: a proposer head scores the newest candidate from the state that proposed it. Use "
+                "score_newest=False."
+            )
         self.score_newest = bool(score_newest)
         self.feed_newest = self.score_newest
+        self.scores_newest = self.score_newest or head.uses_proposer
         self.acceptance_product = 1.0
         self.scored_probs: list[float] = []
 
@@ -131,18 +142,21 @@ class AcceptanceHeadPolicy(DraftPolicy):
 
     @torch.no_grad()
     def should_stop(self, step: DraftStep) -> bool:
-        # Without score_newest the state at index 1 belongs to the last accepted token: not a candidate.
-        scores_a_candidate = self.score_newest or step.index >= 2
+        # A candidate head without score_newest sees, at index 1, the state of the last accepted token: no candidate.
+        scores_a_candidate = self.scores_newest or step.index >= 2
         if scores_a_candidate:
             if step.hidden is None:
                 raise ValueError(
                     "AcceptanceHeadPolicy needs step.hidden (the draft's last hidden state): the engine must honour "
                     "needs_hidden_states."
                 )
-            hidden = step.hidden
+            hidden = step.hidden.reshape(-1)
             if self.head.out.weight.device != hidden.device:
                 self.head.to(hidden.device)
-            prob = float(self.head.acceptance_probability(hidden.reshape(-1)))
+            inputs = self.head.head_input(
+                hidden, step.draft_probs, torch.tensor(step.token, device=step.draft_probs.device)
+            )
+            prob = float(self.head.acceptance_probability(inputs))
             self.scored_probs.append(prob)
             self.acceptance_product *= prob
         return head_should_stop(

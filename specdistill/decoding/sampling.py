@@ -53,6 +53,13 @@ class SamplingConfig:
         """`warp_probs` with this config's settings."""
         return warp_probs(logits, self.temperature, self.top_k, self.top_p, greedy=self.greedy)
 
+    def policy_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft distribution draft-length policies and proposer heads see: `warp_probs`, except in greedy mode,
+        where a one-hot would tell them nothing and they get the unwarped softmax (the draft's own confidence)."""
+        if self.is_greedy:
+            return logits.float().softmax(-1)
+        return self.warp_probs(logits)
+
 
 def _check_options(temperature: float, top_k: int, top_p: float) -> None:
     # Same checks as SamplingConfig, for callers that use the functions directly.

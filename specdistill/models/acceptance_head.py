@@ -1,8 +1,16 @@
 """SpecDec++ acceptance head: predicts, from the draft's last hidden state, whether the target accepts a token.
 
 METHODS.md section 4: D residual blocks `x + SiLU(W x)` (each block with its own weights; the public code reuses one
-block D times by accident) followed by a linear layer to one logit. The head reads the hidden state whose *input*
-token is the candidate being judged, so it predicts the acceptance of the token the draft has just read.
+block D times by accident) followed by a linear layer to one logit.
+
+Two inputs (`AcceptanceHead.input`):
+
+- `"candidate"` (SpecDec++): the hidden state whose *input* token is the candidate being judged. The draft must read
+  a candidate before it can be scored, so the public stopping rule always leaves the newest candidate unscored.
+- `"proposer"`: the hidden state that *proposed* the candidate (the one whose next-token distribution q it was drawn
+  from) plus two features of q: `log q(candidate)` and the entropy of q (`draft_features`). Every candidate is scored
+  as soon as it is drafted, at no extra draft pass. Trained on teacher-forced target responses, whose contexts are
+  the ones decoding meets (accepted tokens follow the target's distribution), so no mixing is needed.
 """
 
 from __future__ import annotations
@@ -14,7 +22,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from specdistill.decoding.policies import entropy
+
 CONFIG_NAME = "head_config.json"
+HEAD_INPUTS = ("candidate", "proposer")
+NUM_DRAFT_FEATURES = 2
+MIN_LOG_PROB = -30.0
 WEIGHTS_NAME = "model.safetensors"
 
 
@@ -42,9 +55,11 @@ class AcceptanceHead(nn.Module):
     Args:
         hidden_size: width of the draft's hidden state (`config.hidden_size`).
         num_blocks: number of residual blocks D (3 in SpecDec++); 0 gives a linear probe.
+        input: `"candidate"` (SpecDec++) or `"proposer"` (see the module docstring); the blocks' width is
+            `input_size`, the hidden size plus `NUM_DRAFT_FEATURES` for a proposer head.
     """
 
-    def __init__(self, hidden_size: int, num_blocks: int = 3) -> None:
+    def __init__(self, hidden_size: int, num_blocks: int = 3, input: str = "candidate") -> None:  # noqa: A002
         super().__init__()
         if hidden_size < 1:
             raise ValueError(
@@ -52,35 +67,54 @@ class AcceptanceHead(nn.Module):
             )
         if num_blocks < 0:
             raise ValueError(f"num_blocks={num_blocks} must be >= 0 (SpecDec++ uses 3).")
+        if input not in HEAD_INPUTS:
+            raise ValueError(f"input={input!r} is not a head input; use one of {list(HEAD_INPUTS)}.")
         self.hidden_size = int(hidden_size)
         self.num_blocks = int(num_blocks)
-        self.blocks = nn.Sequential(*(ResidualBlock(self.hidden_size) for _ in range(self.num_blocks)))
-        self.out = nn.Linear(self.hidden_size, 1)
+        self.input = input
+        self.input_size = self.hidden_size + (NUM_DRAFT_FEATURES if self.uses_proposer else 0)
+        self.blocks = nn.Sequential(*(ResidualBlock(self.input_size) for _ in range(self.num_blocks)))
+        self.out = nn.Linear(self.input_size, 1)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    @property
+    def uses_proposer(self) -> bool:
+        return self.input == "proposer"
+
+    def head_input(
+        self, hidden: torch.Tensor, probs: torch.Tensor | None = None, tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The head's input vector `(..., input_size)` for `(..., H)` hidden states.
+
+        A proposer head also needs the proposing distribution `probs (..., V)` (what the engine's policies see: warped,
+        or the plain softmax in greedy mode) and the candidates `tokens (...)` drawn from it.
+        """
+        return build_head_input(self.input, hidden, probs, tokens)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """Acceptance logits.
 
         Args:
-            hidden: `(..., H)` draft hidden states, any float dtype (cast to the head's dtype).
+            inputs: `(..., input_size)` head inputs (`head_input`; for a candidate head, the draft's hidden states),
+                any float dtype (cast to the head's dtype).
 
         Returns:
             `(...)` logits; `sigmoid(logit)` is the predicted probability that the target accepts the token.
         """
-        if hidden.shape[-1] != self.hidden_size:
+        if inputs.shape[-1] != self.input_size:
             raise ValueError(
-                f"hidden states have width {hidden.shape[-1]} but the head expects {self.hidden_size}: "
-                "the head was trained for a draft with a different hidden_size."
+                f"head inputs have width {inputs.shape[-1]} but this {self.input} head expects {self.input_size}: "
+                "the head was trained for a draft with a different hidden_size, or for the other head input."
             )
-        x = hidden.to(self.out.weight.dtype)
+        x = inputs.to(self.out.weight.dtype)
         return self.out(self.blocks(x)).squeeze(-1)
 
     @torch.no_grad()
-    def acceptance_probability(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`(...)` predicted acceptance probabilities in fp32 for `(..., H)` hidden states."""
-        return torch.sigmoid(self.forward(hidden).float())
+    def acceptance_probability(self, inputs: torch.Tensor) -> torch.Tensor:
+        """`(...)` predicted acceptance probabilities in fp32 for `(..., input_size)` head inputs."""
+        return torch.sigmoid(self.forward(inputs).float())
 
-    def config(self) -> dict[str, int]:
-        return {"hidden_size": self.hidden_size, "num_blocks": self.num_blocks}
+    def config(self) -> dict[str, int | str]:
+        return {"hidden_size": self.hidden_size, "num_blocks": self.num_blocks, "input": self.input}
 
     def save(self, directory: str | Path) -> Path:
         """Write `head_config.json` and `model.safetensors` into `directory` (created if needed); return it."""
@@ -106,6 +140,44 @@ class AcceptanceHead(nn.Module):
         head = cls(**config)
         head.load_state_dict(load_file(str(weights_path), device=str(device)), strict=True)
         return head.to(device)
+
+
+def build_head_input(
+    input: str,  # noqa: A002
+    hidden: torch.Tensor,
+    probs: torch.Tensor | None = None,
+    tokens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Head inputs for head input mode `input` (see `AcceptanceHead.head_input`)."""
+    if input not in HEAD_INPUTS:
+        raise ValueError(f"input={input!r} is not a head input; use one of {list(HEAD_INPUTS)}.")
+    if input == "candidate":
+        return hidden
+    if probs is None or tokens is None:
+        raise ValueError("a proposer head needs the draft's distribution and the candidate tokens.")
+    return torch.cat([hidden.float(), draft_features(probs, tokens)], dim=-1)
+
+
+def draft_features(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """`(..., 2)` features of the proposing distribution: `log q(token)` (clamped at -30) and the entropy of q (nats).
+
+    Args:
+        probs: `(..., V)` draft probabilities the candidate was drawn from.
+        tokens: `(...)` candidate ids.
+    """
+    probs = probs.float()
+    chosen = probs.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+    log_chosen = chosen.clamp_min(torch.finfo(torch.float32).tiny).log().clamp_min(MIN_LOG_PROB)
+    return torch.stack([log_chosen, entropy(probs)], dim=-1)
+
+
+def draft_logits(draft: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The draft's logits for final-norm hidden states `(..., H)`: its LM head, then Gemma-2's soft cap if any."""
+    logits = draft.get_output_embeddings()(hidden)
+    softcap = getattr(draft.config, "final_logit_softcapping", None)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
 
 
 def draft_hidden_states(

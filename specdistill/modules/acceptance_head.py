@@ -1,8 +1,10 @@
 """`AcceptanceHeadModule`: train the SpecDec++ acceptance head on rollouts, with the draft frozen.
 
-Wiring only: batches come from `specdistill.rollout.RolloutDataModule` (mixed sequences, or cached hidden states), the
-loss and metrics from `specdistill.losses.head_bce`. The head reads the draft's last hidden state at every position
-whose *input* token is a draft token (`batch["loss_mask"]`) and predicts that token's soft acceptance label.
+Wiring only: batches come from `specdistill.rollout.RolloutDataModule` (mixed or plain sequences, or cached head
+inputs), the head inputs from `specdistill.rollout.data.judged_head_inputs`, the loss and metrics from
+`specdistill.losses.head_bce`. The head predicts each judged draft token's soft acceptance label
+(`batch["loss_mask"]`: for a candidate head the states whose input is a draft token, for a proposer head the states
+that proposed one).
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from specdistill.losses.head_bce import (
     weighted_bce_with_logits,
     write_reliability_diagram,
 )
-from specdistill.models.acceptance_head import AcceptanceHead, draft_hidden_states
+from specdistill.decoding.sampling import SamplingConfig
+from specdistill.models.acceptance_head import AcceptanceHead
 from specdistill.models.frozen import Frozen
+from specdistill.rollout.data import judged_head_inputs
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +51,8 @@ class AcceptanceHeadModule(LightningModule):
         w_rej: weight of the rejection term (SpecDec++: 6).
         cache_hidden_states: read `batch["hidden_states"]` (a `build_hidden_cache` cache) instead of running the draft.
         reliability_bins: bins of the ECE and of the reliability diagram.
+        sampling: the decoding settings the rollouts were labelled for; a proposer head's features read the draft's
+            distribution as the engine's policies will see it (default: greedy).
 
     Validation logs `val/head_bce` (the weighted loss over the whole split), `val/binary_kl`, `val/auroc_rejection`
     and `val/ece`, and writes `reliability_diagram.png` into the trainer's log directory.
@@ -63,6 +69,7 @@ class AcceptanceHeadModule(LightningModule):
         w_rej: float = 6.0,
         cache_hidden_states: bool = False,
         reliability_bins: int = 10,
+        sampling: SamplingConfig | None = None,
     ) -> None:
         super().__init__()
         if draft is None and not cache_hidden_states:
@@ -74,7 +81,7 @@ class AcceptanceHeadModule(LightningModule):
             )
         if not (w_acc > 0 and w_rej > 0):
             raise ValueError(f"w_acc={w_acc} and w_rej={w_rej} must both be positive.")
-        self.save_hyperparameters(ignore=["head", "draft", "optimizer", "scheduler"])
+        self.save_hyperparameters(ignore=["head", "draft", "optimizer", "scheduler", "sampling"])
         self.head = head
         self._draft = Frozen(draft) if draft is not None else None
         self.optimizer_factory = optimizer
@@ -83,6 +90,7 @@ class AcceptanceHeadModule(LightningModule):
         self.w_rej = w_rej
         self.cache_hidden_states = cache_hidden_states
         self.reliability_bins = reliability_bins
+        self.sampling = sampling or SamplingConfig(greedy=True)
         self._val_logits: list[torch.Tensor] = []
         self._val_labels: list[torch.Tensor] = []
 
@@ -109,7 +117,7 @@ class AcceptanceHeadModule(LightningModule):
     # -- steps --
 
     def head_logits(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(logits (N,), labels (N,))` at the batch's draft-token positions."""
+        """`(logits (N,), labels (N,))` at the batch's judged positions (`loss_mask`)."""
         keep = batch["loss_mask"]
         if self.cache_hidden_states:
             if "hidden_states" not in batch:
@@ -117,16 +125,15 @@ class AcceptanceHeadModule(LightningModule):
                     "cache_hidden_states=True but the batch has no 'hidden_states': build the cache with "
                     "specdistill.rollout.build_hidden_cache and pass hidden_cache_dir to RolloutDataModule."
                 )
-            hidden = batch["hidden_states"][keep]
+            inputs = batch["hidden_states"][keep]
         else:
             if "input_ids" not in batch:
                 raise ValueError(
                     "the batch holds cached hidden states but cache_hidden_states=False: set it to True (and the "
                     "draft may then be None)."
                 )
-            with torch.no_grad():
-                hidden = draft_hidden_states(self.draft, batch["input_ids"], batch["attention_mask"])[keep]
-        return self.head(hidden), batch["head_labels"][keep]
+            inputs = judged_head_inputs(self.draft, batch, self.head.input, self.sampling)
+        return self.head(inputs), batch["head_labels"][keep]
 
     def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         logits, labels = self.head_logits(batch)

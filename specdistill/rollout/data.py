@@ -1,14 +1,19 @@
 """Acceptance-head training data: the mixed sequence Z, collation, and a small LightningDataModule.
 
-Training input (METHODS.md section 4): Z_i = X_i (the target's token) with probability r and Y_i (the draft's token)
+Candidate heads (METHODS.md section 4): Z_i = X_i (the target's token) with probability r and Y_i (the draft's token)
 otherwise. The head is trained only at positions holding a draft token, on the hidden state whose *input* token is
 Y_i, i.e. at absolute position `len(prompt) + i` of prompt + Z (no shift: the head judges the token it just read).
 
+Proposer heads (`specdistill.models.acceptance_head`): the input is prompt + X unmixed, and the head is trained at
+every response position on the state that proposed Y_i, absolute position `len(prompt) + i - 1`, together with Y_i
+(`draft_tokens`) to read `q(Y_i)` from the draft's distribution there.
+
 Batches (right-padded):
 
-- from rollouts: `input_ids (B, L) long`, `attention_mask (B, L) long`, `loss_mask (B, L) bool` (True where the input
-  token is a draft token), `head_labels (B, L) float` (soft label there, 0 elsewhere), `example_id (B,) long`;
-- from a hidden-state cache (`specdistill.rollout.hidden_cache`): `hidden_states (B, N, H) float`,
+- from rollouts: `input_ids (B, L) long`, `attention_mask (B, L) long`, `loss_mask (B, L) bool` (True at the states
+  the head judges), `head_labels (B, L) float` (soft label there, 0 elsewhere), `draft_tokens (B, L) long` (the
+  judged draft token there, pad elsewhere), `example_id (B,) long`;
+- from a hidden-state cache (`specdistill.rollout.hidden_cache`): `hidden_states (B, N, D) float` (the head's inputs),
   `loss_mask (B, N) bool`, `head_labels (B, N) float`, `example_id (B,) long`.
 """
 
@@ -21,6 +26,13 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from specdistill.decoding.sampling import SamplingConfig
+from specdistill.models.acceptance_head import (
+    HEAD_INPUTS,
+    build_head_input,
+    draft_hidden_states,
+    draft_logits,
+)
 from specdistill.rollout.run import load_rollouts
 
 
@@ -60,17 +72,27 @@ class RolloutCollator:
 
     Args:
         pad_token_id: id for padding (masked out of attention).
-        mixing_ratio: r, probability of keeping the target token at each response position.
+        mixing_ratio: r, probability of keeping the target token at each response position (candidate heads).
         seed: None draws the mixing from the global RNG (fresh every epoch: training); an int fixes each example's
             mixing by `(seed, prompt_index)` (validation, cache building).
+        head_input: `"candidate"` (mixed sequences) or `"proposer"` (unmixed, states one position earlier).
     """
 
-    def __init__(self, pad_token_id: int = 0, mixing_ratio: float = 0.15, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        pad_token_id: int = 0,
+        mixing_ratio: float = 0.15,
+        seed: int | None = None,
+        head_input: str = "candidate",
+    ) -> None:
         if not 0.0 <= mixing_ratio <= 1.0:
             raise ValueError(f"mixing_ratio={mixing_ratio} must be in [0, 1].")
+        if head_input not in HEAD_INPUTS:
+            raise ValueError(f"head_input={head_input!r} is not a head input; use one of {list(HEAD_INPUTS)}.")
         self.pad_token_id = pad_token_id
         self.mixing_ratio = mixing_ratio
         self.seed = seed
+        self.head_input = head_input
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         if "hidden" in rows[0]:
@@ -78,31 +100,38 @@ class RolloutCollator:
         return self._collate_rollouts(rows)
 
     def _collate_rollouts(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        sequences, masks, labels = [], [], []
+        sequences, masks, labels, judged = [], [], [], []
         for row in rows:
             prompt = torch.as_tensor(row["prompt_ids"], dtype=torch.long)
             response = torch.as_tensor(row["response_ids"], dtype=torch.long)
-            generator = None if self.seed is None else example_generator(self.seed, int(row["prompt_index"]))
-            mixed, is_draft = mix_sequence(
-                response, torch.as_tensor(row["draft_tokens"], dtype=torch.long), self.mixing_ratio, generator
-            )
-            sequences.append(torch.cat([prompt, mixed]))
-            masks.append(torch.cat([torch.zeros(len(prompt), dtype=torch.bool), is_draft]))
-            labels.append(
-                torch.cat([torch.zeros(len(prompt)), torch.as_tensor(row["labels"], dtype=torch.float32)])
-            )
+            draft_tokens = torch.as_tensor(row["draft_tokens"], dtype=torch.long)
+            label = torch.as_tensor(row["labels"], dtype=torch.float32)
+            if self.head_input == "proposer":
+                # the state at len(prompt) + i - 1 proposed Y_i; the last response token proposes nothing judged
+                sequence, is_judged = torch.cat([prompt, response]), torch.ones(len(response), dtype=torch.bool)
+                offset = len(prompt) - 1
+            else:
+                generator = None if self.seed is None else example_generator(self.seed, int(row["prompt_index"]))
+                mixed, is_judged = mix_sequence(response, draft_tokens, self.mixing_ratio, generator)
+                sequence, offset = torch.cat([prompt, mixed]), len(prompt)
+            sequences.append(sequence)
+            masks.append(_place(is_judged, offset, len(sequence), False))
+            labels.append(_place(label, offset, len(sequence), 0.0))
+            judged.append(_place(draft_tokens, offset, len(sequence), self.pad_token_id))
         width = max(len(s) for s in sequences)
         batch = {
             "input_ids": torch.full((len(rows), width), self.pad_token_id, dtype=torch.long),
             "attention_mask": torch.zeros((len(rows), width), dtype=torch.long),
             "loss_mask": torch.zeros((len(rows), width), dtype=torch.bool),
             "head_labels": torch.zeros((len(rows), width)),
+            "draft_tokens": torch.full((len(rows), width), self.pad_token_id, dtype=torch.long),
         }
-        for i, (seq, mask, label) in enumerate(zip(sequences, masks, labels, strict=True)):
+        for i, (seq, mask, label, tokens) in enumerate(zip(sequences, masks, labels, judged, strict=True)):
             batch["input_ids"][i, : len(seq)] = seq
             batch["attention_mask"][i, : len(seq)] = 1
             batch["loss_mask"][i, : len(seq)] = mask
             batch["head_labels"][i, : len(seq)] = torch.where(mask, label, 0.0)
+            batch["draft_tokens"][i, : len(seq)] = torch.where(mask, tokens, self.pad_token_id)
         batch["example_id"] = torch.tensor([int(row["prompt_index"]) for row in rows], dtype=torch.long)
         return batch
 
@@ -120,6 +149,34 @@ class RolloutCollator:
             batch["head_labels"][i, : len(h)] = torch.as_tensor(row["head_labels"], dtype=torch.float32)
         batch["example_id"] = torch.tensor([int(row["prompt_index"]) for row in rows], dtype=torch.long)
         return batch
+
+
+@torch.no_grad()
+def judged_head_inputs(
+    draft: torch.nn.Module, batch: dict[str, torch.Tensor], head_input: str, sampling: SamplingConfig
+) -> torch.Tensor:
+    """`(N, D)` head inputs at the batch's judged states (`loss_mask`, row-major), from one frozen draft pass.
+
+    Args:
+        draft: the frozen draft.
+        batch: a rollout batch from `RolloutCollator` built for the same `head_input`.
+        head_input: `"candidate"` or `"proposer"`.
+        sampling: the decoding settings; a proposer head reads `sampling.policy_probs` of the draft's logits, the
+            distribution the engine's policies see.
+    """
+    keep = batch["loss_mask"]
+    hidden = draft_hidden_states(draft, batch["input_ids"], batch["attention_mask"])[keep]
+    if head_input != "proposer":
+        return hidden
+    probs = sampling.policy_probs(draft_logits(draft, hidden))
+    return build_head_input(head_input, hidden, probs, batch["draft_tokens"][keep])
+
+
+def _place(values: torch.Tensor, offset: int, length: int, fill: float | int | bool) -> torch.Tensor:
+    """`(length,)` tensor holding `values` from index `offset` on and `fill` elsewhere."""
+    out = torch.full((length,), fill, dtype=values.dtype)
+    out[offset : offset + len(values)] = values
+    return out
 
 
 def split_indices(num_examples: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -150,6 +207,7 @@ class RolloutDataModule(L.LightningDataModule):
         pad_token_id: padding id.
         hidden_cache_dir: output of `build_hidden_cache`; when set, batches carry hidden states and no draft runs.
         num_workers: DataLoader workers.
+        head_input: the head's input, `"candidate"` or `"proposer"` (see the module docstring).
     """
 
     def __init__(
@@ -163,6 +221,7 @@ class RolloutDataModule(L.LightningDataModule):
         pad_token_id: int = 0,
         hidden_cache_dir: str | None = None,
         num_workers: int = 0,
+        head_input: str = "candidate",
     ) -> None:
         super().__init__()
         self.rollout_dir = rollout_dir
@@ -174,6 +233,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.pad_token_id = pad_token_id
         self.hidden_cache_dir = hidden_cache_dir
         self.num_workers = num_workers
+        self.head_input = head_input
         self.train_set: datasets.Dataset | None = None
         self.val_set: datasets.Dataset | None = None
 
@@ -183,7 +243,7 @@ class RolloutDataModule(L.LightningDataModule):
         if self.hidden_cache_dir is not None:
             from specdistill.rollout.hidden_cache import load_hidden_cache
 
-            data = load_hidden_cache(self.hidden_cache_dir, expected_mixing_ratio=self.mixing_ratio)
+            data = load_hidden_cache(self.hidden_cache_dir, self.mixing_ratio, self.head_input)
             data = data.with_format("torch", columns=["hidden"], output_all_columns=True)
         else:
             data = load_rollouts(self.rollout_dir)
@@ -195,7 +255,7 @@ class RolloutDataModule(L.LightningDataModule):
             self.train_set,
             batch_size=self.batch_size,
             shuffle=True,
-            collate_fn=RolloutCollator(self.pad_token_id, self.mixing_ratio, seed=None),
+            collate_fn=RolloutCollator(self.pad_token_id, self.mixing_ratio, None, self.head_input),
             num_workers=self.num_workers,
         )
 
@@ -204,6 +264,6 @@ class RolloutDataModule(L.LightningDataModule):
             self.val_set,
             batch_size=self.eval_batch_size,
             shuffle=False,
-            collate_fn=RolloutCollator(self.pad_token_id, self.mixing_ratio, seed=self.seed),
+            collate_fn=RolloutCollator(self.pad_token_id, self.mixing_ratio, self.seed, self.head_input),
             num_workers=self.num_workers,
         )

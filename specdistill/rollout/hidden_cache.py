@@ -1,14 +1,16 @@
-"""Cache of the draft's hidden states at draft-token positions, so head training need not run the draft every epoch.
+"""Cache of the head's inputs at the judged positions, so head training need not run the draft every epoch.
 
-The mixing of each example is drawn once (seeded by `(seed, prompt_index)`) and frozen into the cache: every epoch
-then sees the same mixed sequence Z, unlike uncached training, which redraws Z each epoch. Rows hold `prompt_index`,
-`hidden (n, H)` (the states whose input is a draft token, in order) and `head_labels (n,)`. Stored like rollouts, in
-resumable shards.
+For a candidate head the mixing of each example is drawn once (seeded by `(seed, prompt_index)`) and frozen into the
+cache: every epoch then sees the same mixed sequence Z, unlike uncached training, which redraws Z each epoch. A
+proposer head's inputs (no mixing) are the same every epoch anyway. Rows hold `prompt_index`, `hidden (n, D)` (the
+head inputs, in order: hidden states, plus the draft features for a proposer head) and `head_labels (n,)`. Stored
+like rollouts, in resumable shards.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import asdict
 from pathlib import Path
 
 import datasets
@@ -16,8 +18,9 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from specdistill.models.acceptance_head import draft_hidden_states
-from specdistill.rollout.data import RolloutCollator
+from specdistill.decoding.sampling import SamplingConfig
+from specdistill.models.acceptance_head import NUM_DRAFT_FEATURES
+from specdistill.rollout.data import RolloutCollator, judged_head_inputs
 from specdistill.rollout.storage import (
     load_shards,
     num_shards,
@@ -40,8 +43,10 @@ def build_hidden_cache(
     shard_size: int = 1024,
     pad_token_id: int = 0,
     dtype: str = "float16",
+    head_input: str = "candidate",
+    sampling: SamplingConfig | None = None,
 ) -> datasets.Dataset:
-    """Run the frozen draft once over every rollout's mixed sequence and store its hidden states.
+    """Run the frozen draft once over every rollout and store the head's inputs at the judged positions.
 
     Args:
         draft: the frozen draft the head is trained for.
@@ -53,6 +58,8 @@ def build_hidden_cache(
         shard_size: rollouts per stored shard.
         pad_token_id: padding id.
         dtype: storage dtype of the hidden states: float16 or float32.
+        head_input: `"candidate"` or `"proposer"` (`specdistill.models.acceptance_head`).
+        sampling: decoding settings whose `policy_probs` a proposer head reads (default: greedy).
     """
     from specdistill.rollout.run import load_rollouts
 
@@ -60,15 +67,18 @@ def build_hidden_cache(
         raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}.")
     rollouts = load_rollouts(rollout_dir)
     rollout_settings = read_settings(rollout_dir)
-    hidden_size = int(draft.config.hidden_size)
+    sampling = sampling or SamplingConfig(greedy=True)
+    width = int(draft.config.hidden_size) + (NUM_DRAFT_FEATURES if head_input == "proposer" else 0)
     settings = {
         "kind": "hidden_cache",
+        "head_input": head_input,
+        "sampling": asdict(sampling),
         "num_prompts": len(rollouts),
         "shard_size": shard_size,
         "mixing_ratio": mixing_ratio,
         "seed": seed,
         "dtype": dtype,
-        "hidden_size": hidden_size,
+        "hidden_size": width,
         "rollout_settings_sha256": hashlib.sha256(
             repr(sorted(rollout_settings.items())).encode()
         ).hexdigest(),
@@ -77,11 +87,11 @@ def build_hidden_cache(
     features = datasets.Features(
         {
             "prompt_index": datasets.Value("int64"),
-            "hidden": datasets.Array2D(shape=(None, hidden_size), dtype=dtype),
+            "hidden": datasets.Array2D(shape=(None, width), dtype=dtype),
             "head_labels": datasets.Sequence(datasets.Value("float32")),
         }
     )
-    collate = RolloutCollator(pad_token_id, mixing_ratio, seed=seed)
+    collate = RolloutCollator(pad_token_id, mixing_ratio, seed, head_input)
     device = next(draft.parameters()).device
     draft.eval()
     for shard in tqdm(range(num_shards(len(rollouts), shard_size)), desc="hidden cache", unit="shard"):
@@ -90,24 +100,35 @@ def build_hidden_cache(
         rows = rollouts.select(range(shard * shard_size, min((shard + 1) * shard_size, len(rollouts))))
         columns: dict[str, list] = {"prompt_index": [], "hidden": [], "head_labels": []}
         for batch in DataLoader(rows, batch_size=batch_size, collate_fn=collate):
-            hidden = draft_hidden_states(
-                draft, batch["input_ids"].to(device), batch["attention_mask"].to(device)
-            ).float()
-            for i in range(len(batch["example_id"])):
-                keep = batch["loss_mask"][i].to(device)
+            on_device = {key: value.to(device) for key, value in batch.items()}
+            inputs = judged_head_inputs(draft, on_device, head_input, sampling).float()
+            per_example = inputs.split(batch["loss_mask"].sum(1).tolist())
+            for i, example_inputs in enumerate(per_example):
                 columns["prompt_index"].append(int(batch["example_id"][i]))
-                columns["hidden"].append(hidden[i][keep].to(_DTYPES[dtype]).cpu().numpy())
+                columns["hidden"].append(example_inputs.to(_DTYPES[dtype]).cpu().numpy())
                 columns["head_labels"].append(batch["head_labels"][i][batch["loss_mask"][i]].tolist())
         write_shard(out_dir, shard, columns, features)
     return load_hidden_cache(out_dir)
 
 
-def load_hidden_cache(out_dir: str | Path, expected_mixing_ratio: float | None = None) -> datasets.Dataset:
-    """The complete cache in prompt order; checks the mixing ratio if given."""
+def load_hidden_cache(
+    out_dir: str | Path, expected_mixing_ratio: float | None = None, expected_head_input: str | None = None
+) -> datasets.Dataset:
+    """The complete cache in prompt order; checks the head input and (candidate heads) the mixing ratio if given."""
     settings = read_settings(out_dir)
     if settings.get("kind") != "hidden_cache":
         raise ValueError(f"{out_dir} is not a hidden-state cache (built by build_hidden_cache).")
-    if expected_mixing_ratio is not None and settings["mixing_ratio"] != expected_mixing_ratio:
+    cached_input = settings.get("head_input", "candidate")
+    if expected_head_input is not None and cached_input != expected_head_input:
+        raise ValueError(
+            f"the hidden cache at {out_dir} holds {cached_input} head inputs, not {expected_head_input}: rebuild it "
+            "for this head."
+        )
+    if (
+        expected_mixing_ratio is not None
+        and cached_input == "candidate"
+        and settings["mixing_ratio"] != expected_mixing_ratio
+    ):
         raise ValueError(
             f"the hidden cache at {out_dir} was built with mixing_ratio={settings['mixing_ratio']}, not "
             f"{expected_mixing_ratio}: rebuild it or use the same ratio."

@@ -11,9 +11,11 @@ from pathlib import Path
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from specdistill.decoding.sampling import SamplingConfig
 from specdistill.modules.acceptance_head import AcceptanceHeadModule
 from specdistill.rollout.data import RolloutDataModule
 from specdistill.rollout.hidden_cache import build_hidden_cache
+from specdistill.rollout.storage import read_settings
 from specdistill.stages.common import (
     build_trainer,
     fit,
@@ -50,12 +52,16 @@ def run(cfg: DictConfig) -> dict:
         seed_everything(cfg)
         draft = models[name]
         run_dir = Path(out_dir) / name
+        head = instantiate(head_cfg.model, hidden_size=draft.config.hidden_size)
+        # a proposer head reads the draft's distribution the way decoding will: the rollouts' sampling settings
+        sampling = SamplingConfig(**read_settings(rollout_dir)["sampling"])
         hidden_cache = None
         if head_cfg.cache_hidden_states:
             hidden_cache = run_dir / "hidden_cache"
             build_hidden_cache(
                 draft, rollout_dir, hidden_cache, mixing_ratio=head_cfg.mixing_ratio, seed=cfg.seed,
                 batch_size=settings.batch_size, pad_token_id=tokenizer.pad_token_id, dtype=head_cfg.hidden_cache_dtype,
+                head_input=head.input, sampling=sampling,
             )  # fmt: skip
         datamodule = RolloutDataModule(
             rollout_dir=str(rollout_dir),
@@ -65,8 +71,8 @@ def run(cfg: DictConfig) -> dict:
             seed=cfg.seed,
             pad_token_id=tokenizer.pad_token_id,
             hidden_cache_dir=str(hidden_cache) if hidden_cache else None,
+            head_input=head.input,
         )
-        head = instantiate(head_cfg.model, hidden_size=draft.config.hidden_size)
         module = AcceptanceHeadModule(
             head=head,
             draft=None if hidden_cache else draft,
@@ -76,6 +82,7 @@ def run(cfg: DictConfig) -> dict:
             w_rej=head_cfg.w_rej,
             cache_hidden_states=hidden_cache is not None,
             reliability_bins=head_cfg.reliability_bins,
+            sampling=sampling,
         )
         trainer = build_trainer(cfg, run_dir, settings)
         fit(trainer, module, datamodule)
