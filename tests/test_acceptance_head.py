@@ -340,5 +340,117 @@ def test_head_config_builds_the_head():
     head = instantiate(cfg.model, hidden_size=24)
     assert isinstance(head, AcceptanceHead)
     assert head.config() == {"hidden_size": 24, "num_blocks": 3, "input": "proposer"}
-    assert head.input_size == 24 + 2
+    assert head.input_size == 24 + 1
     assert (cfg.w_acc, cfg.w_rej, cfg.mixing_ratio) == (1.0, 6.0, 0.15)
+
+
+# --- proposer heads ------------------------------------------------------------------------------------------------
+
+
+def _proposer_row():
+    return {"prompt_index": 3, "prompt_ids": [7, 8, 9], "response_ids": [10, 11, 12, 13],
+            "draft_tokens": [20, 11, 22, 23], "labels": [0.25, 1.0, 0.5, 0.0]}  # fmt: skip
+
+
+def test_proposer_collation_keeps_target_tokens_and_judges_the_proposing_states():
+    from specdistill.rollout.data import RolloutCollator
+
+    row = _proposer_row()
+    batch = RolloutCollator(pad_token_id=0, mixing_ratio=0.15, seed=None, head_input="proposer")(
+        [row, {**row, "prompt_index": 4, "prompt_ids": [7]}]
+    )
+    # no mixing whatever r: the input is prompt + target response
+    assert batch["input_ids"][0].tolist() == [7, 8, 9, 10, 11, 12, 13]
+    assert batch["input_ids"][1].tolist() == [7, 10, 11, 12, 13, 0, 0]
+    # response token i is proposed by the state at len(prompt) + i - 1
+    assert batch["loss_mask"][0].tolist() == [False, False, True, True, True, True, False]
+    assert batch["loss_mask"][1].tolist() == [True, True, True, True, False, False, False]
+    assert batch["head_labels"][0, 2:6].tolist() == row["labels"]
+    assert batch["draft_tokens"][0, 2:6].tolist() == row["draft_tokens"]
+    assert batch["draft_tokens"][0, batch["loss_mask"][0].logical_not()].eq(0).all()
+    candidate = RolloutCollator(0, 0.0, seed=0, head_input="candidate")([row])
+    # a candidate head with r = 0 reads every draft token at its own position
+    assert candidate["input_ids"][0].tolist() == [7, 8, 9, 20, 11, 22, 23]
+    assert candidate["loss_mask"][0].tolist() == [False, False, False, True, True, True, True]
+    with pytest.raises(ValueError, match="head_input"):
+        RolloutCollator(head_input="newest")
+
+
+def test_proposer_head_inputs_are_proposing_state_and_draft_probability(head_setup):
+    from specdistill.decoding.sampling import SamplingConfig
+    from specdistill.rollout.data import RolloutCollator, judged_head_inputs
+
+    draft, _ = head_setup
+    row = {**_proposer_row(), "response_ids": [10, 11, 12, 13], "draft_tokens": [20, 11, 22, 23]}
+    batch = RolloutCollator(0, head_input="proposer")([row])
+    sampling = SamplingConfig(temperature=0.7, top_k=5)
+    inputs = judged_head_inputs(draft, batch, "proposer", sampling)
+    assert inputs.shape == (4, draft.config.hidden_size + 1)
+    with torch.no_grad():
+        out = draft(input_ids=batch["input_ids"], output_hidden_states=True)
+    for i, token in enumerate(row["draft_tokens"]):
+        position = len(row["prompt_ids"]) + i - 1
+        torch.testing.assert_close(inputs[i, :-1], out.hidden_states[-1][0, position])
+        q = sampling.policy_probs(out.logits[0, position])[token]
+        torch.testing.assert_close(inputs[i, -1], q)
+
+
+@pytest.mark.parametrize("head_input", ["candidate", "proposer"])
+def test_single_candidate_score_equals_batched_forward(head_input):
+    torch.manual_seed(0)
+    head = AcceptanceHead(12, num_blocks=2, input=head_input)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.5)
+    hidden, probs = torch.randn(12), torch.randn(30).softmax(-1)
+    expected = head.acceptance_probability(head.head_input(hidden[None], probs[None], torch.tensor([7])))
+    assert head.score(hidden, probs, 7) == pytest.approx(float(expected), rel=1e-5)
+    head.double()  # the decoding path follows dtype changes of the parameters
+    assert head.score(hidden, probs, 7) == pytest.approx(float(expected), rel=1e-5)
+    assert head.input_size == 12 + (1 if head_input == "proposer" else 0)
+    if head_input == "proposer":
+        with pytest.raises(ValueError, match="proposer"):
+            head.score(hidden)
+        with pytest.raises(ValueError, match="width"):
+            AcceptanceHead(11, input="proposer").score(hidden, probs, 7)
+    with pytest.raises(ValueError, match="head input"):
+        AcceptanceHead(12, input="newest")
+
+
+def test_proposer_head_module_learns_and_cache_matches_running_the_draft(head_setup, tmp_path):
+    from functools import partial
+
+    from specdistill.decoding.sampling import SamplingConfig
+    from specdistill.modules.acceptance_head import AcceptanceHeadModule
+    from specdistill.rollout import RolloutDataModule, build_hidden_cache
+
+    draft, root = head_setup
+    sampling = SamplingConfig(temperature=1.0)  # what head_setup's rollouts were labelled with
+
+    def module(cache: bool):
+        torch.manual_seed(0)
+        return AcceptanceHeadModule(AcceptanceHead(16, 2, input="proposer"), None if cache else draft,
+                                    optimizer=partial(torch.optim.AdamW, lr=1e-2), cache_hidden_states=cache,
+                                    sampling=sampling)  # fmt: skip
+
+    def data(cache_dir=None):
+        return RolloutDataModule(str(root / "rollouts"), batch_size=4, val_fraction=0.25, seed=0,
+                                 hidden_cache_dir=cache_dir, head_input="proposer")  # fmt: skip
+
+    live_module = module(False)
+    before = _trainer(tmp_path).validate(live_module, datamodule=data(), verbose=False)[0]
+    build_hidden_cache(draft, root / "rollouts", tmp_path / "cache", batch_size=6, shard_size=12, dtype="float32",
+                       head_input="proposer", sampling=sampling)  # fmt: skip
+    cached = _trainer(tmp_path).validate(
+        module(True), datamodule=data(str(tmp_path / "cache")), verbose=False
+    )[0]
+    for key, value in before.items():
+        assert cached[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    trainer = _trainer(tmp_path, max_steps=12, enable_checkpointing=False, check_val_every_n_epoch=1000)
+    trainer.fit(live_module, datamodule=data())
+    assert (
+        trainer.validate(live_module, datamodule=data(), verbose=False)[0]["val/head_bce"]
+        < before["val/head_bce"]
+    )
+    with pytest.raises(ValueError, match="proposer head inputs, not candidate"):
+        RolloutDataModule(str(root / "rollouts"), hidden_cache_dir=str(tmp_path / "cache")).setup()

@@ -54,6 +54,11 @@ def _all_policies(draft) -> dict[str, DraftPolicy]:
         "oracle": Oracle(6),
         "head": AcceptanceHeadPolicy(head, threshold=0.5, max_draft_length=6),
         "head_newest": AcceptanceHeadPolicy(head, threshold=0.5, max_draft_length=6, score_newest=True),
+        "head_proposer": AcceptanceHeadPolicy(
+            AcceptanceHead(draft.config.hidden_size, num_blocks=2, input="proposer"),
+            threshold=0.5,
+            max_draft_length=6,
+        ),
     }
 
 
@@ -190,9 +195,19 @@ def _is_lossless(target, draft, policy: DraftPolicy, samples: int = 400) -> bool
     )
 
 
-@pytest.mark.parametrize("policy", [FixedLength(1), Oracle(1)], ids=["fixed", "oracle"])
+@pytest.mark.parametrize("policy", ["fixed", "oracle", "head_candidate", "head_proposer"])
 def test_sampling_matches_target_distribution(small_pair, policy):
-    assert _is_lossless(*small_pair, policy)
+    # head policies make the engine read the draft's hidden states (base model + LM head): q must not change
+    hidden_size = small_pair[1].config.hidden_size
+    policies = {
+        "fixed": lambda: FixedLength(1),
+        "oracle": lambda: Oracle(1),
+        "head_candidate": lambda: AcceptanceHeadPolicy(AcceptanceHead(hidden_size, 1), min_draft_length=1),
+        "head_proposer": lambda: AcceptanceHeadPolicy(
+            AcceptanceHead(hidden_size, 1, input="proposer"), min_draft_length=1
+        ),
+    }
+    assert _is_lossless(*small_pair, policies[policy]())
 
 
 def test_distribution_test_catches_a_broken_residual(small_pair, monkeypatch):

@@ -205,3 +205,88 @@ def test_policy_sees_the_hidden_states_the_head_is_trained_on(engine_pair, score
         torch.testing.assert_close(hidden, full[position], rtol=1e-4, atol=1e-4)
         checked += 1
     assert checked >= 5
+
+
+def _proposer_head_reading_q(hidden: int) -> AcceptanceHead:
+    """A proposer head predicting sigmoid(10 * (q(candidate) - 0.5)): accepts confident candidates."""
+    head = AcceptanceHead(hidden, num_blocks=1, input="proposer")
+    with torch.no_grad():
+        head.out.weight.zero_()
+        head.out.weight[0, -1] = 10.0
+        head.out.bias.fill_(-5.0)
+    return head
+
+
+def test_proposer_policy_scores_the_newest_candidate_from_its_proposing_state():
+    policy = AcceptanceHeadPolicy(_proposer_head_reading_q(4), threshold=0.5, min_draft_length=1)
+    assert policy.scores_newest and not policy.feed_newest  # scored at once, without feeding it to the draft
+    confident, unsure = torch.tensor([0.95, 0.05]), torch.tensor([0.3, 0.7])
+    hidden = torch.zeros(4)
+    q_steps = [confident, confident, unsure]
+    for index, probs in enumerate(q_steps, start=1):
+        stop = policy.should_stop(DraftStep(index=index, token=0, draft_probs=probs, hidden=hidden))
+        assert stop is (index == 3)
+    expected = torch.sigmoid(torch.tensor([4.5, 4.5, -2.0])).tolist()
+    assert policy.scored_probs == pytest.approx(expected, rel=1e-5)
+    assert simulate_draft_length(expected, 0.5, 1, 20, score_newest=True) == 3
+    with pytest.raises(ValueError, match="score_newest"):
+        AcceptanceHeadPolicy(_proposer_head_reading_q(4), score_newest=True)
+
+
+def test_proposer_policy_sees_proposing_states_and_draft_probabilities(engine_pair):
+    """At step i the policy gets the state that proposed candidate i (the training input at len(context) - 1) and
+    the distribution the candidate came from."""
+    from specdistill.decoding.engine import SpeculativeDecoder
+    from specdistill.decoding.sampling import SamplingConfig
+    from specdistill.models.acceptance_head import draft_hidden_states
+
+    target, _ = engine_pair
+    policy = _Recorder(_proposer_head_reading_q(32), threshold=0.5, max_draft_length=5)
+    probs_seen: list[torch.Tensor] = []
+    original = policy.should_stop
+
+    def should_stop(step):
+        probs_seen.append(step.draft_probs.clone())
+        return original(step)
+
+    policy.should_stop = should_stop
+    prompt = [3, 1, 4, 1]
+    result = SpeculativeDecoder(target, target, policy, SamplingConfig(greedy=True), None, 40).generate(
+        prompt, 18
+    )
+    sequence = torch.tensor([prompt + result.tokens])
+    with torch.no_grad():
+        full = draft_hidden_states(target, sequence)[0]
+        full_probs = (
+            target(sequence).logits[0, :, :40].softmax(-1)
+        )  # the model's own forward, not the engine's path
+    starts = [len(prompt) + sum(policy.rounds[:r]) for r in range(len(policy.rounds))]
+    for (round_index, index, hidden), probs in zip(policy.records, probs_seen, strict=True):
+        position = (
+            starts[round_index] + index - 2
+        )  # candidate at start + index - 1, proposed one position earlier
+        torch.testing.assert_close(hidden, full[position], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(probs, full_probs[position], rtol=1e-4, atol=1e-5)
+    assert len(policy.records) >= 5
+
+
+def test_evaluate_builds_one_policy_per_threshold_for_proposer_heads(tmp_path):
+    from omegaconf import OmegaConf
+
+    from specdistill.stages.evaluate import head_policies
+
+    settings = OmegaConf.create(
+        {"head_thresholds": [0.3, 0.5], "head_score_newest": [False, True], "head_min_draft_length": 1}
+    )
+    AcceptanceHead(4, 1, input="proposer").save(tmp_path / "proposer")
+    AcceptanceHead(4, 1).save(tmp_path / "candidate")
+    proposer = head_policies(str(tmp_path / "proposer"), settings, torch.device("cpu"))
+    assert sorted(proposer) == ["specdecpp_h0.3", "specdecpp_h0.5"]
+    assert all(p.scores_newest and p.stop_min_length == 1 for p in proposer.values())
+    candidate = head_policies(str(tmp_path / "candidate"), settings, torch.device("cpu"))
+    assert sorted(candidate) == [
+        "specdecpp_h0.3",
+        "specdecpp_h0.3_newest",
+        "specdecpp_h0.5",
+        "specdecpp_h0.5_newest",
+    ]

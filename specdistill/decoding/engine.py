@@ -393,12 +393,11 @@ class SpeculativeDecoder:
         probe_s = 0.0
         probe_length = seq.target_length if oracle else None
 
-        out, seq.draft_cache = _forward(
-            self.draft, seq.buf[:, seq.draft_length : n], seq.draft_cache, 1, need_hidden
+        logits, hidden, seq.draft_cache = self._draft_forward(
+            seq.buf[:, seq.draft_length : n], seq.draft_cache, need_hidden
         )
         seq.draft_length = n
         seq.stats.draft_forwards += 1
-        logits, hidden = self._last(out, need_hidden)
         index = 0
         withdrawn = False
         while True:
@@ -414,12 +413,11 @@ class SpeculativeDecoder:
             token = int(token_t)
             step_hidden = hidden
             if feed_newest:
-                out, seq.draft_cache = _forward(
-                    self.draft, seq.buf[:, pos : pos + 1], seq.draft_cache, 1, need_hidden
+                logits, hidden, seq.draft_cache = self._draft_forward(
+                    seq.buf[:, pos : pos + 1], seq.draft_cache, need_hidden
                 )
                 seq.draft_length = pos + 1
                 seq.stats.draft_forwards += 1
-                logits, hidden = self._last(out, need_hidden)
                 step_hidden = hidden
             will_accept = None
             if oracle:
@@ -435,22 +433,30 @@ class SpeculativeDecoder:
             if stop:
                 return index, withdrawn, q_rows, probe_s, probe_length
             if not feed_newest:
-                out, seq.draft_cache = _forward(
-                    self.draft, seq.buf[:, pos : pos + 1], seq.draft_cache, 1, need_hidden
+                logits, hidden, seq.draft_cache = self._draft_forward(
+                    seq.buf[:, pos : pos + 1], seq.draft_cache, need_hidden
                 )
                 seq.draft_length = pos + 1
                 seq.stats.draft_forwards += 1
-                logits, hidden = self._last(out, need_hidden)
 
-    def _last(self, out, need_hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The last position's logits on the real vocabulary `(V,)` and, if asked, the draft's last hidden `(H,)`."""
-        logits = out.logits[0, -1, : self.vocab_size]
+    def _draft_forward(self, ids: torch.Tensor, cache: Cache | None, need_hidden: bool):
+        """Run the draft on `ids`; return the last position's logits on the real vocabulary `(V,)`, its last hidden
+        state `(H,)` if asked (else None), and the cache.
+
+        Hidden states come from the base model followed by the draft's LM head (`draft_logits`): asking transformers
+        for `output_hidden_states` costs more than the head that reads them on small drafts. The first call checks,
+        once, that this equals the model's own forward.
+        """
         if not need_hidden:
-            return logits, None
-        hidden = out.hidden_states[-1][0, -1]
+            out, cache = _forward(self.draft, ids, cache, 1)
+            return out.logits[0, -1, : self.vocab_size], None, cache
         if not self._hidden_checked:
+            out, cache = _forward(self.draft, ids, cache, 1, hidden=True)
             self._check_hidden_is_final(out.hidden_states[-1][0, -1:], out.logits[0, -1:])
-        return logits, hidden
+            return out.logits[0, -1, : self.vocab_size], out.hidden_states[-1][0, -1], cache
+        out, cache = forward_with_cache(self.draft.base_model, ids, cache)
+        hidden = out.last_hidden_state[0, -1]
+        return draft_logits(self.draft, hidden)[: self.vocab_size], hidden, cache
 
     def _check_hidden_is_final(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
         """hidden_states[-1] must be the state the LM head reads (after the final norm), or policies get garbage."""

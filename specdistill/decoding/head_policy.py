@@ -130,6 +130,7 @@ class AcceptanceHeadPolicy(DraftPolicy):
         self.score_newest = bool(score_newest)
         self.feed_newest = self.score_newest
         self.scores_newest = self.score_newest or head.uses_proposer
+        self._head_device = head.out.weight.device
         self.acceptance_product = 1.0
         self.scored_probs: list[float] = []
 
@@ -140,7 +141,6 @@ class AcceptanceHeadPolicy(DraftPolicy):
         self.acceptance_product = 1.0
         self.scored_probs = []
 
-    @torch.no_grad()
     def should_stop(self, step: DraftStep) -> bool:
         # A candidate head without score_newest sees, at index 1, the state of the last accepted token: no candidate.
         scores_a_candidate = self.scores_newest or step.index >= 2
@@ -150,13 +150,10 @@ class AcceptanceHeadPolicy(DraftPolicy):
                     "AcceptanceHeadPolicy needs step.hidden (the draft's last hidden state): the engine must honour "
                     "needs_hidden_states."
                 )
-            hidden = step.hidden.reshape(-1)
-            if self.head.out.weight.device != hidden.device:
-                self.head.to(hidden.device)
-            inputs = self.head.head_input(
-                hidden, step.draft_probs, torch.tensor(step.token, device=step.draft_probs.device)
-            )
-            prob = float(self.head.acceptance_probability(inputs))
+            if step.hidden.device != self._head_device:
+                self.head.to(step.hidden.device)
+                self._head_device = step.hidden.device
+            prob = self.head.score(step.hidden, step.draft_probs, step.token)
             self.scored_probs.append(prob)
             self.acceptance_product *= prob
         return head_should_stop(

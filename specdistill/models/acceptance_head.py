@@ -8,7 +8,7 @@ Two inputs (`AcceptanceHead.input`):
 - `"candidate"` (SpecDec++): the hidden state whose *input* token is the candidate being judged. The draft must read
   a candidate before it can be scored, so the public stopping rule always leaves the newest candidate unscored.
 - `"proposer"`: the hidden state that *proposed* the candidate (the one whose next-token distribution q it was drawn
-  from) plus two features of q: `log q(candidate)` and the entropy of q (`draft_features`). Every candidate is scored
+  from) plus `q(candidate)` (`draft_features`). Every candidate is scored
   as soon as it is drafted, at no extra draft pass. Trained on teacher-forced target responses, whose contexts are
   the ones decoding meets (accepted tokens follow the target's distribution), so no mixing is needed.
 """
@@ -16,18 +16,17 @@ Two inputs (`AcceptanceHead.input`):
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from specdistill.decoding.policies import entropy
-
 CONFIG_NAME = "head_config.json"
 HEAD_INPUTS = ("candidate", "proposer")
-NUM_DRAFT_FEATURES = 2
-MIN_LOG_PROB = -30.0
+NUM_DRAFT_FEATURES = 1
 WEIGHTS_NAME = "model.safetensors"
 
 
@@ -75,6 +74,9 @@ class AcceptanceHead(nn.Module):
         self.input_size = self.hidden_size + (NUM_DRAFT_FEATURES if self.uses_proposer else 0)
         self.blocks = nn.Sequential(*(ResidualBlock(self.input_size) for _ in range(self.num_blocks)))
         self.out = nn.Linear(self.input_size, 1)
+        # `score` reads the parameters directly (`.to()` and `load_state_dict` keep these Parameter objects)
+        self._block_params = [(block.linear.weight, block.linear.bias) for block in self.blocks]
+        self._out_params = (self.out.weight, self.out.bias)
 
     @property
     def uses_proposer(self) -> bool:
@@ -112,6 +114,39 @@ class AcceptanceHead(nn.Module):
     def acceptance_probability(self, inputs: torch.Tensor) -> torch.Tensor:
         """`(...)` predicted acceptance probabilities in fp32 for `(..., input_size)` head inputs."""
         return torch.sigmoid(self.forward(inputs).float())
+
+    @torch.inference_mode()
+    def score(
+        self, hidden: torch.Tensor, probs: torch.Tensor | None = None, token: int | None = None
+    ) -> float:
+        """Predicted acceptance of one candidate: `acceptance_probability(head_input(...))` as a float.
+
+        The decoding-time path, called once per drafted candidate: the same arithmetic as `forward` written with
+        functional ops on one vector, which costs about a third of the module call on a CPU.
+
+        Args:
+            hidden: `(H,)` draft hidden state.
+            probs: `(V,)` proposing distribution (proposer heads).
+            token: the candidate's id (proposer heads).
+        """
+        # Every tensor op here costs microseconds next to a draft step on small models: keep them few.
+        x = hidden if hidden.dim() == 1 else hidden.reshape(-1)
+        if self.uses_proposer:
+            if probs is None or token is None:
+                raise ValueError("a proposer head needs the draft's distribution and the candidate token.")
+            x = torch.cat((x, probs[token : token + 1].to(x.dtype)))
+        out_weight, out_bias = self._out_params
+        if x.dtype != out_weight.dtype:
+            x = x.to(out_weight.dtype)
+        if x.shape[0] != self.input_size:
+            raise ValueError(
+                f"head inputs have width {x.shape[0]} but this {self.input} head expects {self.input_size}: "
+                "the head was trained for a draft with a different hidden_size."
+            )
+        for weight, bias in self._block_params:
+            x = x + F.silu(torch.addmv(bias, weight, x))
+        logit = float(torch.addmv(out_bias, out_weight, x))
+        return 1.0 / (1.0 + math.exp(-logit)) if logit >= 0 else math.exp(logit) / (1.0 + math.exp(logit))
 
     def config(self) -> dict[str, int | str]:
         return {"hidden_size": self.hidden_size, "num_blocks": self.num_blocks, "input": self.input}
@@ -159,16 +194,16 @@ def build_head_input(
 
 
 def draft_features(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """`(..., 2)` features of the proposing distribution: `log q(token)` (clamped at -30) and the entropy of q (nats).
+    """`(..., 1)` feature of the proposing distribution: `q(token)`, the draft's probability of its candidate.
+
+    The hidden state already carries the draft's confidence (measured: adding the entropy or the top-2 margin moved
+    AUROC by under 0.005); `q(token)` tells the head which token was drawn when decoding samples.
 
     Args:
         probs: `(..., V)` draft probabilities the candidate was drawn from.
         tokens: `(...)` candidate ids.
     """
-    probs = probs.float()
-    chosen = probs.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
-    log_chosen = chosen.clamp_min(torch.finfo(torch.float32).tiny).log().clamp_min(MIN_LOG_PROB)
-    return torch.stack([log_chosen, entropy(probs)], dim=-1)
+    return probs.float().gather(-1, tokens.long().unsqueeze(-1))
 
 
 def draft_logits(draft: nn.Module, hidden: torch.Tensor) -> torch.Tensor:

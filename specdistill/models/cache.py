@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import inspect
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache
 
 
-@lru_cache(maxsize=None)
+@cache
 def _cache_kwarg(model_cls: type) -> str:
     params = inspect.signature(model_cls.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
@@ -29,7 +29,7 @@ def forward_with_cache(model: torch.nn.Module, input_ids: torch.Tensor, cache: C
     return out, new_cache
 
 
-@lru_cache(maxsize=None)
+@cache
 def _crop_takes_removal(cache_cls: type) -> bool:
     return "tokens_to_remove" in inspect.signature(cache_cls.crop).parameters
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from lightning import LightningModule
 from torch import nn
 
+from specdistill.decoding.sampling import SamplingConfig
 from specdistill.losses.head_bce import (
     auroc_rejection,
     binary_kl,
@@ -26,7 +27,6 @@ from specdistill.losses.head_bce import (
     weighted_bce_with_logits,
     write_reliability_diagram,
 )
-from specdistill.decoding.sampling import SamplingConfig
 from specdistill.models.acceptance_head import AcceptanceHead
 from specdistill.models.frozen import Frozen
 from specdistill.rollout.data import judged_head_inputs

@@ -88,7 +88,9 @@ class RolloutCollator:
         if not 0.0 <= mixing_ratio <= 1.0:
             raise ValueError(f"mixing_ratio={mixing_ratio} must be in [0, 1].")
         if head_input not in HEAD_INPUTS:
-            raise ValueError(f"head_input={head_input!r} is not a head input; use one of {list(HEAD_INPUTS)}.")
+            raise ValueError(
+                f"head_input={head_input!r} is not a head input; use one of {list(HEAD_INPUTS)}."
+            )
         self.pad_token_id = pad_token_id
         self.mixing_ratio = mixing_ratio
         self.seed = seed
@@ -108,10 +110,15 @@ class RolloutCollator:
             label = torch.as_tensor(row["labels"], dtype=torch.float32)
             if self.head_input == "proposer":
                 # the state at len(prompt) + i - 1 proposed Y_i; the last response token proposes nothing judged
-                sequence, is_judged = torch.cat([prompt, response]), torch.ones(len(response), dtype=torch.bool)
+                sequence, is_judged = (
+                    torch.cat([prompt, response]),
+                    torch.ones(len(response), dtype=torch.bool),
+                )
                 offset = len(prompt) - 1
             else:
-                generator = None if self.seed is None else example_generator(self.seed, int(row["prompt_index"]))
+                generator = (
+                    None if self.seed is None else example_generator(self.seed, int(row["prompt_index"]))
+                )
                 mixed, is_judged = mix_sequence(response, draft_tokens, self.mixing_ratio, generator)
                 sequence, offset = torch.cat([prompt, mixed]), len(prompt)
             sequences.append(sequence)

@@ -16,11 +16,11 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig
 
 from specdistill.decoding.head_policy import AcceptanceHeadPolicy
-from specdistill.models.acceptance_head import AcceptanceHead
 from specdistill.decoding.policies import FixedLength
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.evaluation.report import format_table
 from specdistill.evaluation.runner import best_fixed_length, evaluate_policies, select_policy
+from specdistill.models.acceptance_head import AcceptanceHead
 from specdistill.stages.common import (
     build_datamodule,
     load_frozen_target_and_drafts,
