@@ -2,8 +2,9 @@
 
     python benchmarks/bench_pipeline_policies.py --run DIR [--draft adaspec|distillspec|both] [--prompts 40]
         [--selection-prompts 20] [--max-new-tokens 64] [--repeats 3] [--threads N]
-        [--thresholds 0.3 0.5 0.7 0.9] [--score-newest both|false|true] [--fixed-lengths 1 2 3 4 5 6]
-        [--selection-repeats 1] [--head-min-draft-length 2] [--temperature 0] [--device cpu]
+        [--thresholds H ...] [--score-newest both|false|true] [--fixed-lengths 1 2 3 4 5 6]
+        [--selection-repeats 1] [--head-min-draft-length N] [--temperature 0] [--device cpu]
+    (thresholds and the head's minimum default to the run's evaluate.head_thresholds / head_min_draft_length)
 
 Inputs, all from the run directory `DIR` written by `python train.py`: the target `DIR/sft/export`, the drafts
 `DIR/distill/export` (distillspec) and `DIR/adaspec/export` (adaspec), their SpecDec++ acceptance heads
@@ -90,6 +91,7 @@ from specdistill.decoding.policies import (  # noqa: E402
 )
 from specdistill.decoding.sampling import SamplingConfig  # noqa: E402
 from specdistill.decoding.stats import DecodingStats, speedup  # noqa: E402
+from specdistill.models.acceptance_head import AcceptanceHead  # noqa: E402
 from specdistill.stages.common import (  # noqa: E402
     build_datamodule,
     load_frozen_target_and_drafts,
@@ -131,7 +133,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument(
-        "--thresholds", type=float, nargs="+", default=[0.3, 0.5, 0.7, 0.9], help="SpecDec++ h grid"
+        "--thresholds", type=float, nargs="+", default=None, help="SpecDec++ h grid (default: the run's)"
     )
     parser.add_argument(
         "--score-newest",
@@ -141,7 +143,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--fixed-lengths", type=int, nargs="+", default=list(range(1, 7)), help="K grid")
     parser.add_argument(
-        "--head-min-draft-length", type=int, default=2, help="SpecDec++ minimum (pipeline: 2)"
+        "--head-min-draft-length", type=int, default=None, help="SpecDec++ minimum (default: the run's)"
     )
     parser.add_argument(
         "--head-max-draft-length", type=int, default=20, help="SpecDec++ maximum (pipeline: 20)"
@@ -249,8 +251,10 @@ class Setup:
 def head_policies(
     args: argparse.Namespace, head_dir: Path, device: torch.device
 ) -> dict[str, tuple[float, bool, DraftPolicy]]:
-    """SpecDec++ candidates: name -> (h, score_newest, policy)."""
+    """SpecDec++ candidates: name -> (h, score_newest, policy); a proposer head has the one scoring mode."""
     modes = {"both": (False, True), "false": (False,), "true": (True,)}[args.score_newest]
+    if AcceptanceHead.load(head_dir).uses_proposer:
+        modes = (False,)
     out = {}
     for newest in modes:
         for h in args.thresholds:
@@ -314,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
             "the run's evaluate.selection_split is 'test': select K and h on validation, not test."
         )
     seed = cfg.evaluate.seed if args.seed is None else args.seed
+    if args.thresholds is None:
+        args.thresholds = list(cfg.evaluate.head_thresholds)
+    if args.head_min_draft_length is None:
+        args.head_min_draft_length = int(cfg.evaluate.get("head_min_draft_length", 2))
     device = torch.device(args.device)
     sampling = SamplingConfig(temperature=args.temperature, greedy=args.temperature == 0)
 

@@ -4,11 +4,12 @@
 
 1. A random GPT-NeoX target and a draft made as a noisy copy of it (`specdistill.decoding.toy`), so the acceptance
    rate sits strictly between 0 and 1 and varies with the context.
-2. `run_rollouts` on training prompts (same warping as decoding), a hidden-state cache, and an `AcceptanceHead`
-   trained with `AcceptanceHeadModule` (weighted BCE, w_rej = 6); its validation metrics are printed.
-3. Validation prompts choose the fixed K and the threshold h (per scoring mode) by `modelled_speedup`; the test prompts
-   then report every policy: fixed K, transformers' heuristic schedule, the confidence threshold, the SpecDec++ head
-   (public one-behind scoring and `score_newest`), and the oracle bound.
+2. `run_rollouts` on training prompts (same warping as decoding); on the same rollouts, two `AcceptanceHead`s
+   trained with `AcceptanceHeadModule` (weighted BCE, w_rej = 6) from hidden-state caches: the paper's candidate
+   head and the proposer head (`specdistill/models/acceptance_head.py`); their validation metrics are printed.
+3. Validation prompts choose the fixed K and the threshold h (per head and scoring mode) by `modelled_speedup`; the
+   test prompts then report every policy: fixed K, transformers' heuristic schedule, the confidence threshold, the
+   candidate head (public one-behind scoring and `score_newest`), the proposer head, and the oracle bound.
 
 Columns: the METHODS metrics (`acceptance_rate`, `tokens_per_target_call`, `mean_draft_length`, `discard_rate`,
 `speedup`) and `modelled_speedup` = generated tokens / (target_forwards + c * draft_forwards) for a draft/target cost
@@ -17,9 +18,13 @@ here because the toy draft is as large as its target; `modelled_speedup` is the 
 
 With w_rej = 6 the head predicts acceptance well below the label mean (it is trained to over-predict rejection), so
 small thresholds stop at `min_draft_length`; on a pair with a low acceptance rate try `--thresholds 0.7 0.8 0.9`.
-A run with the defaults (CPU, 1 thread, about a minute) gave, on the test prompts, modelled_speedup 1.76 for the head
-(h = 0.7, one-behind scoring) against 1.72 for the best fixed K (3), 1.68 heuristic, 1.56 confidence, 2.28 oracle;
-the head's rejection AUROC on this toy pair is only ~0.6 (its acceptance is mostly noise), so gains are small here.
+A run with the defaults (CPU, 1 thread, 42 s) gave, on the test prompts, modelled_speedup 1.76 for the candidate
+head (h = 0.7, one-behind scoring), 1.73 for the proposer head (h = 0.3), 1.59 for the candidate head with
+`score_newest`, against 1.72 for the best fixed K (3), 1.68 heuristic, 1.56 confidence and 2.28 oracle. Neither head
+predicts much on this toy pair (rejection AUROC 0.59 candidate, 0.53 proposer): at T = 1 its acceptance is mostly
+sampling noise, and the state after the candidate (candidate head) knows which token was drawn a little better than
+q(token) alone does. On the embedded arith pair (greedy) the proposer head separates far better (AUROC 0.93 against
+0.77-0.82): measure both on your pair.
 """
 
 from __future__ import annotations
@@ -105,24 +110,30 @@ def modelled_speedup(stats: DecodingStats, cost_ratio: float) -> float | None:
     return stats.generated_tokens / cost if cost else None
 
 
-def train_head(args, target, draft, train_prompts, sampling, out: Path) -> tuple[AcceptanceHead, dict]:
-    import lightning as L
-
+def make_rollouts(args, target, draft, train_prompts, sampling, out: Path) -> float:
     start = time.perf_counter()
     run_rollouts(target, draft, train_prompts, out / "rollouts", sampling, max_new_tokens=args.max_new_tokens,
                  batch_size=32, shard_size=128, seed=args.seed, vocab_size=args.vocab, eos_token_id=EOS,
                  pad_token_id=EOS)  # fmt: skip
-    build_hidden_cache(draft, out / "rollouts", out / "cache", mixing_ratio=args.mixing_ratio, seed=args.seed,
-                       batch_size=32, pad_token_id=EOS, dtype="float32")  # fmt: skip
-    rollout_s = time.perf_counter() - start
+    return time.perf_counter() - start
+
+
+def train_head(args, draft, sampling, out: Path, head_input: str) -> tuple[AcceptanceHead, dict]:
+    import lightning as L
+
+    cache = out / f"cache_{head_input}"
+    build_hidden_cache(draft, out / "rollouts", cache, mixing_ratio=args.mixing_ratio, seed=args.seed,
+                       batch_size=32, pad_token_id=EOS, dtype="float32", head_input=head_input,
+                       sampling=sampling)  # fmt: skip
     torch.manual_seed(args.seed)
-    head = AcceptanceHead(draft.config.hidden_size, num_blocks=3)
+    head = AcceptanceHead(draft.config.hidden_size, num_blocks=3, input=head_input)
     module = AcceptanceHeadModule(
         head, None, partial(torch.optim.AdamW, lr=args.lr), partial(cosine, warmup_fraction=0.03),
-        w_acc=1.0, w_rej=args.w_rej, cache_hidden_states=True,
+        w_acc=1.0, w_rej=args.w_rej, cache_hidden_states=True, sampling=sampling,
     )  # fmt: skip
     data = RolloutDataModule(str(out / "rollouts"), batch_size=16, mixing_ratio=args.mixing_ratio, val_fraction=0.1,
-                             seed=args.seed, pad_token_id=EOS, hidden_cache_dir=str(out / "cache"))  # fmt: skip
+                             seed=args.seed, pad_token_id=EOS, hidden_cache_dir=str(cache),
+                             head_input=head_input)  # fmt: skip
     accelerator = "gpu" if torch.device(args.device).type == "cuda" else "cpu"
     trainer = L.Trainer(accelerator=accelerator, devices=1, max_epochs=args.epochs, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -130,8 +141,8 @@ def train_head(args, target, draft, train_prompts, sampling, out: Path) -> tuple
     untrained = trainer.validate(module, datamodule=data, verbose=False)[0]
     trainer.fit(module, datamodule=data)
     trained = trainer.validate(module, datamodule=data, verbose=False)[0]
-    head.save(out / "head")
-    info = {"rollout_and_cache_s": rollout_s, "head_untrained": untrained, "head_trained": trained}
+    head.save(out / f"head_{head_input}")
+    info = {"head_untrained": untrained, "head_trained": trained}
     return head.to(args.device).eval(), info
 
 
@@ -153,12 +164,17 @@ def evaluate(args, target, draft, policies: dict[str, DraftPolicy], prompts, sam
     return rows
 
 
-def head_policies(head: AcceptanceHead, args, thresholds=THRESHOLDS) -> dict[str, DraftPolicy]:
+def head_policies(heads: dict[str, AcceptanceHead], args, thresholds=THRESHOLDS) -> dict[str, DraftPolicy]:
+    """`head_h{h}` / `head_newest_h{h}` (candidate head, both scoring modes) and `proposer_h{h}`."""
     policies = {}
     for newest in (False, True):
         for h in thresholds:
             name = f"head{'_newest' if newest else ''}_h{h}"
-            policies[name] = AcceptanceHeadPolicy(head, h, 2, args.max_draft_length, score_newest=newest)
+            policies[name] = AcceptanceHeadPolicy(
+                heads["candidate"], h, 2, args.max_draft_length, score_newest=newest
+            )
+    for h in thresholds:
+        policies[f"proposer_h{h}"] = AcceptanceHeadPolicy(heads["proposer"], h, 2, args.max_draft_length)
     return policies
 
 
@@ -192,31 +208,41 @@ def main(argv: list[str] | None = None) -> dict:
     val = prompts[args.train_prompts : args.train_prompts + args.val_prompts]
     test = prompts[args.train_prompts + args.val_prompts :]
 
-    head, info = train_head(args, target, draft, train, sampling, out)
-    print("acceptance head, validation split of the rollouts (untrained -> trained):")
-    for key, value in info["head_trained"].items():
-        print(f"  {key:<22} {info['head_untrained'][key]:.4f} -> {value:.4f}")
+    info = {"rollout_s": make_rollouts(args, target, draft, train, sampling, out)}
+    heads = {}
+    for head_input in ("candidate", "proposer"):
+        heads[head_input], info[head_input] = train_head(args, draft, sampling, out, head_input)
+        print(f"{head_input} acceptance head, validation split of the rollouts (untrained -> trained):")
+        for key, value in info[head_input]["head_trained"].items():
+            print(f"  {key:<22} {info[head_input]['head_untrained'][key]:.4f} -> {value:.4f}")
 
     # Selection on validation prompts only.
-    selection = {f"fixed{k}": FixedLength(k) for k in FIXED_KS} | head_policies(head, args, args.thresholds)
+    selection = {f"fixed{k}": FixedLength(k) for k in FIXED_KS} | head_policies(heads, args, args.thresholds)
     val_rows = evaluate(args, target, draft, selection, val, sampling, "validation")
     chosen = {
         "fixed": best(val_rows, "fixed"),
         "head": best(val_rows, "head_h"),
         "head_newest": best(val_rows, "head_newest"),
+        "proposer": best(val_rows, "proposer_h"),
     }
     print_table("validation (selection of K and h by modelled_speedup)", val_rows)
 
     fixed_k = int(chosen["fixed"].removeprefix("fixed"))
     h = float(chosen["head"].split("_h")[-1])
     h_newest = float(chosen["head_newest"].split("_h")[-1])
+    h_proposer = float(chosen["proposer"].split("_h")[-1])
     report_policies: dict[str, DraftPolicy] = {
         f"fixed{fixed_k}": FixedLength(fixed_k),
         "heuristic": HeuristicSchedule(initial=5, max_draft_length=args.max_draft_length),
         "confidence0.4": ConfidenceThreshold(0.4, max_draft_length=args.max_draft_length),
-        f"head_h{h}": AcceptanceHeadPolicy(head, h, 2, args.max_draft_length, score_newest=False),
+        f"head_h{h}": AcceptanceHeadPolicy(
+            heads["candidate"], h, 2, args.max_draft_length, score_newest=False
+        ),
         f"head_newest_h{h_newest}": AcceptanceHeadPolicy(
-            head, h_newest, 2, args.max_draft_length, score_newest=True
+            heads["candidate"], h_newest, 2, args.max_draft_length, score_newest=True
+        ),
+        f"proposer_h{h_proposer}": AcceptanceHeadPolicy(
+            heads["proposer"], h_proposer, 2, args.max_draft_length
         ),
         "oracle": Oracle(args.max_draft_length),
     }
