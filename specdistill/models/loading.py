@@ -82,7 +82,9 @@ def load_model(spec: ModelSpec, vocab_size: int | None = None) -> PreTrainedMode
     kwargs = dict(spec.config)
     model_type = kwargs.pop("model_type", None)
     if model_type is None:
-        raise ValueError("A model config needs model_type (e.g. gpt_neox, llama) to be built with random weights.")
+        raise ValueError(
+            "A model config needs model_type (e.g. gpt_neox, llama) to be built with random weights."
+        )
     if vocab_size is not None and kwargs.get("vocab_size") is None:
         kwargs["vocab_size"] = vocab_size
     config = AutoConfig.for_model(model_type, **kwargs)
