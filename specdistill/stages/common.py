@@ -172,9 +172,11 @@ def fit(trainer: L.Trainer, module: L.LightningModule, datamodule: L.LightningDa
     ckpt_path = str(last) if last.exists() else None
     if ckpt_path:
         log.info("resuming from %s", ckpt_path)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    # a run that stops on max_steps mid-epoch writes no last.ckpt by itself; without it a relaunch would redo steps
-    trainer.save_checkpoint(last)
+    # resuming reads the checkpoint with torch.load(weights_only=True): tensors and plain containers only
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True if ckpt_path else None)
+    # a run that stops on max_steps mid-epoch writes no last.ckpt by itself; without it a relaunch would redo steps.
+    # (Lightning's weights_only here means "leave out optimizer and loop state": a resumable checkpoint needs them.)
+    trainer.save_checkpoint(last, weights_only=False)
 
 
 def restore_best(trainer: L.Trainer, module: L.LightningModule) -> str | None:
