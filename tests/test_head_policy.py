@@ -162,7 +162,7 @@ class _Recorder(AcceptanceHeadPolicy):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.records: list[tuple[int, int, torch.Tensor]] = []  # (round, index, hidden)
+        self.records: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (round, index, hidden, q)
         self.rounds: list[int] = []  # tokens emitted per round
 
     def begin_round(self) -> None:
@@ -170,7 +170,7 @@ class _Recorder(AcceptanceHeadPolicy):
         self.rounds.append(0)
 
     def should_stop(self, step):
-        self.records.append((len(self.rounds) - 1, step.index, step.hidden.clone()))
+        self.records.append((len(self.rounds) - 1, step.index, step.hidden.clone(), step.draft_probs.clone()))
         return super().should_stop(step)
 
     def end_round(self, num_drafted: int, num_accepted: int) -> None:
@@ -178,28 +178,34 @@ class _Recorder(AcceptanceHeadPolicy):
         self.rounds[-1] = num_drafted + 1  # candidates plus the bonus token
 
 
-@pytest.mark.parametrize("score_newest", [False, True])
-def test_policy_sees_the_hidden_states_the_head_is_trained_on(engine_pair, score_newest):
-    """The decoding-time hidden state of a candidate equals `draft_hidden_states` (the training input) at the
-    position whose input token is that candidate (score_newest), or the previous token (public code)."""
+def _decode_with_target_as_draft(target, policy: _Recorder):
+    """Greedy decode with `target` as its own draft (every candidate accepted); return the full pass's hidden states
+    `(T, H)` and probabilities `(T, V)` (the model's own forward, not the engine's path) and each round's start."""
     from specdistill.decoding.engine import SpeculativeDecoder
     from specdistill.decoding.sampling import SamplingConfig
     from specdistill.models.acceptance_head import draft_hidden_states
 
+    prompt = [3, 1, 4, 1]
+    decoder = SpeculativeDecoder(target, target, policy, SamplingConfig(greedy=True), None, 40)
+    sequence = torch.tensor([prompt + decoder.generate(prompt, 18).tokens])
+    with torch.no_grad():
+        full = draft_hidden_states(target, sequence)[0]
+        full_probs = target(sequence).logits[0, :, :40].softmax(-1)
+    starts = [len(prompt) + sum(policy.rounds[:r]) for r in range(len(policy.rounds))]
+    return full, full_probs, starts
+
+
+@pytest.mark.parametrize("score_newest", [False, True])
+def test_policy_sees_the_hidden_states_the_head_is_trained_on(engine_pair, score_newest):
+    """The decoding-time hidden state of a candidate equals `draft_hidden_states` (the training input) at the
+    position whose input token is that candidate (score_newest), or the previous token (public code)."""
     target, _ = engine_pair
     policy = _Recorder(
         _trained_looking_head(32), threshold=0.5, max_draft_length=5, score_newest=score_newest
     )
-    prompt = [3, 1, 4, 1]
-    result = SpeculativeDecoder(target, target, policy, SamplingConfig(greedy=True), None, 40).generate(
-        prompt, 18
-    )
-    sequence = torch.tensor([prompt + result.tokens])
-    with torch.no_grad():
-        full = draft_hidden_states(target, sequence)[0]
-    starts = [len(prompt) + sum(policy.rounds[:r]) for r in range(len(policy.rounds))]
+    full, _, starts = _decode_with_target_as_draft(target, policy)
     checked = 0
-    for round_index, index, hidden in policy.records:
+    for round_index, index, hidden, _ in policy.records:
         # candidate `index` of a round sits at start + index - 1; one-behind scoring reads the token before it
         position = starts[round_index] + index - (1 if score_newest else 2)
         torch.testing.assert_close(hidden, full[position], rtol=1e-4, atol=1e-4)
@@ -236,35 +242,12 @@ def test_proposer_policy_scores_the_newest_candidate_from_its_proposing_state():
 def test_proposer_policy_sees_proposing_states_and_draft_probabilities(engine_pair):
     """At step i the policy gets the state that proposed candidate i (the training input at len(context) - 1) and
     the distribution the candidate came from."""
-    from specdistill.decoding.engine import SpeculativeDecoder
-    from specdistill.decoding.sampling import SamplingConfig
-    from specdistill.models.acceptance_head import draft_hidden_states
-
     target, _ = engine_pair
     policy = _Recorder(_proposer_head_reading_q(32), threshold=0.5, max_draft_length=5)
-    probs_seen: list[torch.Tensor] = []
-    original = policy.should_stop
-
-    def should_stop(step):
-        probs_seen.append(step.draft_probs.clone())
-        return original(step)
-
-    policy.should_stop = should_stop
-    prompt = [3, 1, 4, 1]
-    result = SpeculativeDecoder(target, target, policy, SamplingConfig(greedy=True), None, 40).generate(
-        prompt, 18
-    )
-    sequence = torch.tensor([prompt + result.tokens])
-    with torch.no_grad():
-        full = draft_hidden_states(target, sequence)[0]
-        full_probs = (
-            target(sequence).logits[0, :, :40].softmax(-1)
-        )  # the model's own forward, not the engine's path
-    starts = [len(prompt) + sum(policy.rounds[:r]) for r in range(len(policy.rounds))]
-    for (round_index, index, hidden), probs in zip(policy.records, probs_seen, strict=True):
-        position = (
-            starts[round_index] + index - 2
-        )  # candidate at start + index - 1, proposed one position earlier
+    full, full_probs, starts = _decode_with_target_as_draft(target, policy)
+    for round_index, index, hidden, probs in policy.records:
+        # candidate `index` sits at start + index - 1 and was proposed one position earlier
+        position = starts[round_index] + index - 2
         torch.testing.assert_close(hidden, full[position], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(probs, full_probs[position], rtol=1e-4, atol=1e-5)
     assert len(policy.records) >= 5
