@@ -248,6 +248,8 @@ def _zero3_on_cpu(out_dir: str, port: int) -> None:
     import deepspeed
     from transformers import AutoModelForCausalLM
 
+    from specdistill.decoding.sampling import SamplingConfig
+    from specdistill.rollout.data import RolloutCollator, judged_head_inputs
     from specdistill.utils.frozen_sharding import is_deepspeed_engine
     from specdistill.utils.strategy import deepspeed_checkpoint_to_hf
 
@@ -258,8 +260,14 @@ def _zero3_on_cpu(out_dir: str, port: int) -> None:
     # a frozen target becomes a ZeRO-3 engine without optimizer that computes what the plain model computes
     target = tiny_model().requires_grad_(False)
     target.eval()
+    # acceptance-head inputs read the frozen draft's base model and LM head separately: both must gather
+    row = {"prompt_index": 0, "prompt_ids": [1, 2, 3], "response_ids": [4, 5, 6, 7],
+           "draft_tokens": [4, 9, 6, 2], "labels": [1.0, 0.0, 1.0, 0.5]}  # fmt: skip
+    head_batches = {mode: RolloutCollator(0, 0.15, 0, mode)([row]) for mode in ("candidate", "proposer")}
+    greedy = SamplingConfig(greedy=True)
     with torch.no_grad():
         expected = target(input_ids=ids).logits
+        expected_heads = {m: judged_head_inputs(target, b, m, greedy) for m, b in head_batches.items()}
     trainer = SimpleNamespace(strategy=DeepSpeedStrategy(stage=3), precision="32-true")
     engine = prepare_frozen(target, trainer)
     assert (
@@ -269,6 +277,8 @@ def _zero3_on_cpu(out_dir: str, port: int) -> None:
     assert all(hasattr(p, "ds_id") for p in engine.module.parameters())  # partitioned by ZeRO-3
     with torch.no_grad():
         torch.testing.assert_close(engine(input_ids=ids).logits, expected)
+        for mode, batch in head_batches.items():
+            torch.testing.assert_close(judged_head_inputs(engine, batch, mode, greedy), expected_heads[mode])
     assert prepare_frozen(engine, trainer) is engine
 
     # a ZeRO-3 checkpoint of a trained draft converts to the HF export of the same weights
