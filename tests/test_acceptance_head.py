@@ -407,6 +407,9 @@ def test_single_candidate_score_equals_batched_forward(head_input):
     assert head.score(hidden, probs, 7) == pytest.approx(float(expected), rel=1e-5)
     head.double()  # the decoding path follows dtype changes of the parameters
     assert head.score(hidden, probs, 7) == pytest.approx(float(expected), rel=1e-5)
+    other = AcceptanceHead(12, num_blocks=2, input=head_input)
+    other.load_state_dict(head.float().state_dict(), assign=True)  # new Parameter objects
+    assert other.score(hidden, probs, 7) == pytest.approx(float(expected), rel=1e-5)
     assert head.input_size == 12 + (1 if head_input == "proposer" else 0)
     if head_input == "proposer":
         with pytest.raises(ValueError, match="proposer"):

@@ -8,9 +8,9 @@ Two inputs (`AcceptanceHead.input`):
 - `"candidate"` (SpecDec++): the hidden state whose *input* token is the candidate being judged. The draft must read
   a candidate before it can be scored, so the public stopping rule always leaves the newest candidate unscored.
 - `"proposer"`: the hidden state that *proposed* the candidate (the one whose next-token distribution q it was drawn
-  from) plus `q(candidate)` (`draft_features`). Every candidate is scored
-  as soon as it is drafted, at no extra draft pass. Trained on teacher-forced target responses, whose contexts are
-  the ones decoding meets (accepted tokens follow the target's distribution), so no mixing is needed.
+  from) plus `q(candidate)` (`draft_features`). Every candidate is scored as soon as it is drafted, at no extra draft
+  pass. Trained on teacher-forced target responses, whose contexts are the ones decoding meets (accepted tokens
+  follow the target's distribution), so no mixing is needed.
 """
 
 from __future__ import annotations
@@ -74,9 +74,19 @@ class AcceptanceHead(nn.Module):
         self.input_size = self.hidden_size + (NUM_DRAFT_FEATURES if self.uses_proposer else 0)
         self.blocks = nn.Sequential(*(ResidualBlock(self.input_size) for _ in range(self.num_blocks)))
         self.out = nn.Linear(self.input_size, 1)
-        # `score` reads the parameters directly (`.to()` and `load_state_dict` keep these Parameter objects)
+        self._cache_parameters()
+        # load_state_dict(assign=True) swaps Parameter objects: refresh what `score` holds
+        self.register_load_state_dict_post_hook(lambda module, _: module._cache_parameters())
+
+    def _cache_parameters(self) -> None:
+        """Keep direct references for `score` (module attribute lookups cost more than its arithmetic)."""
         self._block_params = [(block.linear.weight, block.linear.bias) for block in self.blocks]
         self._out_params = (self.out.weight, self.out.bias)
+
+    def _apply(self, fn, recurse=True):  # .to(), .half(), .cuda() may replace Parameter objects
+        module = super()._apply(fn, recurse)
+        self._cache_parameters()
+        return module
 
     @property
     def uses_proposer(self) -> bool:
