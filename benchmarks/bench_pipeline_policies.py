@@ -74,7 +74,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing; the run's task is `tasks.<name>`
 
 from specdistill.decoding.engine import GenerationResult, SpeculativeDecoder, autoregressive  # noqa: E402
-from specdistill.decoding.head_policy import load_head_policy  # noqa: E402
+from specdistill.decoding.head_policy import AcceptanceHeadPolicy, head_policy_grid  # noqa: E402
 from specdistill.decoding.policies import (  # noqa: E402
     ConfidenceThreshold,
     DraftPolicy,
@@ -241,44 +241,27 @@ class Setup:
         )
 
 
-def head_policies(
-    args: argparse.Namespace, head_dir: Path, device: torch.device
-) -> dict[str, tuple[float, bool, DraftPolicy]]:
-    """SpecDec++ candidates: name -> (h, score_newest, policy); a proposer head has the one scoring mode."""
-    modes = {"both": (False, True), "false": (False,), "true": (True,)}[args.score_newest]
-    if AcceptanceHead.load(head_dir).uses_proposer:
-        modes = (False,)
-    out = {}
-    for newest in modes:
-        for h in args.thresholds:
-            policy = load_head_policy(
-                head_dir, threshold=h, min_draft_length=args.head_min_draft_length,
-                max_draft_length=args.head_max_draft_length, score_newest=newest, device=device,
-            )  # fmt: skip
-            out[f"specdecpp_h{h}{'_newest' if newest else ''}"] = (h, newest, policy)
-    return out
-
-
 def select(
     args: argparse.Namespace, setup: Setup, draft: torch.nn.Module, head_dir: Path, prompts, draft_name: str
-) -> tuple[int, float, bool]:
-    """Best fixed K and best SpecDec++ (h, score_newest) by tokens/s on the validation prompts."""
+) -> tuple[int, AcceptanceHeadPolicy]:
+    """Best fixed K and best SpecDec++ policy (h, scoring mode) by tokens/s on the validation prompts."""
     fixed = {f"fixed_k{k}": k for k in args.fixed_lengths}
-    heads = head_policies(args, head_dir, setup.device)
+    modes = {"both": (False, True), "false": (False,), "true": (True,)}[args.score_newest]
+    heads = head_policy_grid(AcceptanceHead.load(head_dir, device=setup.device), args.thresholds, modes,
+                             args.head_min_draft_length, args.head_max_draft_length)  # fmt: skip
     methods = {name: setup.speculative(draft, FixedLength(k)) for name, k in fixed.items()}
-    methods |= {name: setup.speculative(draft, policy) for name, (_, _, policy) in heads.items()}
+    methods |= {name: setup.speculative(draft, policy) for name, policy in heads.items()}
     stats, _ = measure(
         methods, prompts, args.selection_repeats, setup.seed, setup.device, f"select {draft_name}"
     )
     rate = {name: tokens_per_second(s) for name, s in stats.items()}
     best_k = fixed[max(fixed, key=rate.__getitem__)]
-    best_head = max(heads, key=rate.__getitem__)
-    h, newest, _ = heads[best_head]
+    best_head = heads[max(heads, key=rate.__getitem__)]
     print(f"\nselection for {draft_name} ({len(prompts)} validation prompts), tokens/s:")
     for name in methods:
         tau = stats[name].metrics()["tokens_per_target_call"]
         print(f"  {name:<26}{rate[name]:>9.1f}   tokens_per_target_call {tau:.3f}")
-    return best_k, h, newest
+    return best_k, best_head
 
 
 def format_table(stats: Mapping[str, DecodingStats], outputs, reference, compare: bool) -> str:
@@ -340,11 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     methods: dict[str, Generate] = {AR: setup.autoregressive()}
     for name in draft_names:
         draft = models[name]
-        k, h, newest = select(args, setup, draft, head_dirs[name], selection_prompts, name)
-        head = load_head_policy(head_dirs[name], threshold=h, min_draft_length=args.head_min_draft_length,
-                                max_draft_length=args.head_max_draft_length, score_newest=newest,
-                                device=device)  # fmt: skip
-        chosen[name] = {"k": k, "h": h, "score_newest": newest}
+        k, head = select(args, setup, draft, head_dirs[name], selection_prompts, name)
+        chosen[name] = {"k": k, "h": head.threshold, "score_newest": head.score_newest,
+                        "proposer": head.head.uses_proposer}  # fmt: skip
         policies = {f"fixed_k{k}": FixedLength(k), "specdecpp": head}
         policies |= {p: baseline_policy(cfg, p) for p in BASELINE_POLICIES}
         for policy_name, policy in policies.items():
@@ -359,9 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         ours = tokens_per_second(stats[f"{name}/specdecpp"])
         vs_fixed = ours / tokens_per_second(stats[f"{name}/fixed_k{choice['k']}"])
         vs_oracle = ours / tokens_per_second(stats[f"{name}/oracle"])
-        mode = "newest" if choice["score_newest"] else "one-behind"
-        if AcceptanceHead.load(head_dirs[name]).uses_proposer:
-            mode = "proposer head"
+        mode = "proposer head" if choice["proposer"] else "newest" if choice["score_newest"] else "one-behind"
         print(
             f"{name}: chosen on {selection_split}: K = {choice['k']}, h = {choice['h']} ({mode}); "
             f"specdecpp / best_fixed_k = {vs_fixed:.3f} (goal >= {GOAL_VS_FIXED}: "

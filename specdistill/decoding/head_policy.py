@@ -161,6 +161,30 @@ class AcceptanceHeadPolicy(DraftPolicy):
         )
 
 
+def head_policy_grid(
+    head: AcceptanceHead,
+    thresholds: Sequence[float],
+    score_newest: bool | Sequence[bool] = False,
+    min_draft_length: int = 2,
+    max_draft_length: int = 20,
+) -> dict[str, AcceptanceHeadPolicy]:
+    """One policy per threshold h and scoring mode, named `specdecpp_h{h}` (`_newest` for `score_newest=True`).
+
+    The candidates a selection on validation chooses from. A proposer head always scores the newest candidate, so it
+    gets one policy per h whatever `score_newest`.
+    """
+    modes = [bool(score_newest)] if isinstance(score_newest, bool) else [bool(m) for m in score_newest]
+    if head.uses_proposer:
+        modes = [False]
+    return {
+        f"specdecpp_h{h}{'_newest' if newest else ''}": AcceptanceHeadPolicy(
+            head, h, min_draft_length, max_draft_length, score_newest=newest
+        )
+        for h in thresholds
+        for newest in dict.fromkeys(modes)
+    }
+
+
 def load_head_policy(
     head_dir: str | Path,
     threshold: float = 0.5,

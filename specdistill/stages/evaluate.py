@@ -15,7 +15,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig
 
-from specdistill.decoding.head_policy import AcceptanceHeadPolicy
+from specdistill.decoding.head_policy import head_policy_grid
 from specdistill.decoding.policies import FixedLength
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.evaluation.report import format_table
@@ -36,22 +36,11 @@ log = logging.getLogger(__name__)
 
 
 def head_policies(head_dir: str, settings: DictConfig, device: torch.device) -> dict:
-    """SpecDec++ policies for every threshold h and scoring mode to choose from (names `specdecpp_h0.5[_newest]`).
-
-    A proposer head always scores the newest candidate, so it gets one policy per h whatever `head_score_newest`.
-    """
-    head = AcceptanceHead.load(head_dir, device=device)
+    """`head_policy_grid` for the head in `head_dir` over `settings.head_thresholds` x `head_score_newest`."""
     modes = settings.head_score_newest
-    modes = list(modes) if isinstance(modes, (list, ListConfig)) else [bool(modes)]
-    if head.uses_proposer:
-        modes = [False]
-    return {
-        f"specdecpp_h{h}{'_newest' if newest else ''}": AcceptanceHeadPolicy(
-            head, threshold=h, min_draft_length=settings.head_min_draft_length, score_newest=newest
-        )
-        for h in settings.head_thresholds
-        for newest in dict.fromkeys(modes)
-    }
+    modes = list(modes) if isinstance(modes, (list, ListConfig)) else bool(modes)
+    head = AcceptanceHead.load(head_dir, device=device)
+    return head_policy_grid(head, list(settings.head_thresholds), modes, settings.head_min_draft_length)
 
 
 def policy_ratios(report, choices: dict[str, dict]) -> dict[str, float]:
