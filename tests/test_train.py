@@ -19,8 +19,9 @@ def chain(tmp_path_factory):
     root = tmp_path_factory.mktemp("chain")
     sft = root / "sft"
     proc = run_train(
-        ["stage=sft", *TINY, *stage_overrides("sft"), "sft.eval_examples=2", "sft.eval_max_new_tokens=4",
-         f"hydra.run.dir={sft}"]
+        ["stage=sft", *TINY, *stage_overrides("sft", steps=4), "sft.eval_examples=2", "sft.eval_max_new_tokens=4",
+         "scheduler=constant", "sft.scheduler={_target_: specdistill.utils.schedules.cosine, _partial_: true, warmup_fraction: 0.25}",
+         "trainer.log_every_n_steps=1", f"hydra.run.dir={sft}"]
     )  # fmt: skip
     check_ok(proc)
     target = f"models.target.pretrained_model_name_or_path={sft / 'export'}"
@@ -46,6 +47,29 @@ def test_stage_writes_a_loadable_hugging_face_export(chain, stage):
     ids = tokenizer("Tom has 3 apples.", return_tensors="pt").input_ids
     with torch.no_grad():
         assert torch.isfinite(model(ids).logits).all()
+
+
+def test_sft_follows_its_own_schedule_and_logs_it(chain):
+    """`sft.scheduler` (cosine, 1 warmup step of 4) wins over the root `scheduler=constant`, and every step's rate
+    is logged."""
+    import csv
+
+    from omegaconf import OmegaConf
+
+    from specdistill.utils.schedules import cosine
+
+    lr = OmegaConf.load(chain["sft"] / ".hydra" / "config.yaml").sft.lr
+    with (chain["sft"] / "csv" / "metrics.csv").open() as f:
+        logged = [float(row["lr-AdamW"]) for row in csv.DictReader(f) if row.get("lr-AdamW")]
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+    schedule = cosine(optimizer, total_steps=4, warmup_fraction=0.25)
+    expected = []
+    for _ in range(4):
+        expected.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert logged == pytest.approx(expected)
+    assert len(set(expected)) == 3  # a constant schedule would fail this
 
 
 def test_distill_reports_validation_before_and_after(chain):

@@ -110,7 +110,7 @@ def build_trainer(
     cfg: DictConfig, out_dir: Path, settings: DictConfig, callbacks: list[L.Callback] | None = None
 ) -> L.Trainer:
     """A Lightning Trainer from `conf/trainer`, writing logs and checkpoints under `out_dir`."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
     # scale-out (specdistill/utils/cluster.py, strategy.py): fail early on missing GPUs/nodes or another run's
     # directory; checkpoint every N optimizer steps if asked, and on the cluster's requeue signal.
@@ -126,6 +126,8 @@ def build_trainer(
         save_top_k=0,
         every_n_train_steps=cfg.get("checkpoint_every_n_steps"),
     )
+    # the schedule each optimizer step used, next to the losses (`lr-<Optimizer>` in CSV and W&B)
+    lr_monitor = [LearningRateMonitor(logging_interval="step")] if logger else []
     best = []
     if settings.get("select_best"):
         # the "optimal-epoch" regime: keep the checkpoint with the best validation metric and export that one
@@ -135,7 +137,7 @@ def build_trainer(
         cfg.trainer,
         default_root_dir=str(out_dir),
         logger=logger,
-        callbacks=[checkpoint, *best, *scaleout, *(callbacks or [])],
+        callbacks=[checkpoint, *best, *lr_monitor, *scaleout, *(callbacks or [])],
         max_epochs=settings.max_epochs,
         max_steps=settings.max_steps,
         accumulate_grad_batches=settings.accumulate_grad_batches,

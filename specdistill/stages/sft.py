@@ -30,7 +30,7 @@ def run(cfg: DictConfig) -> dict:
     module = SFTModule(
         model=models["target"],
         optimizer=instantiate(cfg.optimizer, lr=settings.lr),
-        scheduler=instantiate(cfg.scheduler),
+        scheduler=instantiate(settings.scheduler),
         accumulate_grad_batches=settings.accumulate_grad_batches,
     )
     trainer = build_trainer(cfg, out_dir, settings)
