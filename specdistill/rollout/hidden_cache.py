@@ -78,7 +78,7 @@ def build_hidden_cache(
         "mixing_ratio": mixing_ratio,
         "seed": seed,
         "dtype": dtype,
-        "hidden_size": width,
+        "input_size": width,  # the head's input width (AcceptanceHead.input_size)
         "rollout_settings_sha256": hashlib.sha256(
             repr(sorted(rollout_settings.items())).encode()
         ).hexdigest(),
