@@ -25,10 +25,10 @@ from transformers import GPTNeoXForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from specdistill.callbacks.token_selection import TokenSelection
 from specdistill.decoding.toy import tiny_gpt_neox
 from specdistill.losses import ForwardKL
 from specdistill.modules import DistillModule
+from specdistill.selection.reference import CachedReferenceScores, OnlineReference, ReferenceScores
 from specdistill.selection.scoring import score_batch
 from specdistill.selection.selectors import AdaSpecSelector
 
@@ -67,22 +67,21 @@ def build(args: argparse.Namespace, device: torch.device):
     batch = make_batch(args.batch_size, args.seq_len, device)
     cached_batch = {**batch, "ref_divergence": score_batch(target, reference, batch, ForwardKL(), VOCAB)}
 
-    def module(reference_model=None, selector: bool = False) -> DistillModule:
-        m = DistillModule(
+    def module(provider: ReferenceScores | None = None) -> DistillModule:
+        return DistillModule(
             draft=copy.deepcopy(draft),
             target=target,
             vocab_size=VOCAB,
             divergence=ForwardKL(),
             optimizer=functools.partial(torch.optim.AdamW, lr=3e-4, weight_decay=0.1),
+            selector=None if provider is None else AdaSpecSelector(k=0.4),
+            reference=provider,
         ).to(device)
-        if selector:
-            TokenSelection(AdaSpecSelector(k=0.4), reference=reference_model).attach(m)
-        return m
 
     return {
         "distill": (module(), batch),
-        "adaspec_online": (module(reference, selector=True), batch),
-        "adaspec_cached": (module(None, selector=True), cached_batch),
+        "adaspec_online": (module(OnlineReference(reference, ForwardKL(), VOCAB)), batch),
+        "adaspec_cached": (module(CachedReferenceScores()), cached_batch),
     }
 
 

@@ -1,4 +1,4 @@
-"""Token selection: exact top-k with ties, scopes, AdaSPEC through the callback, online vs cached, end to end."""
+"""Token selection: exact top-k with ties, scopes, selectors as pure functions, AdaSPEC wired into the module."""
 
 from __future__ import annotations
 
@@ -13,11 +13,10 @@ import pytest
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
-from test_distill_module import VOCAB, loader, make_batches, make_examples, make_module, make_trainer, tiny_lm
+from test_distill_module import VOCAB, loader, make_batches, make_examples, make_module, tiny_lm
 
-from specdistill.callbacks.token_selection import TokenSelection
-from specdistill.losses import forward_kl
-from specdistill.selection import SelectionInput
+from specdistill.losses import ForwardKL, forward_kl
+from specdistill.selection.reference import CachedReferenceScores, OnlineReference
 from specdistill.selection.scoring import pad_scores, score_reference
 from specdistill.selection.selectors import (
     AdaSpecSelector,
@@ -116,68 +115,79 @@ def test_global_scope_with_a_real_two_process_group(tmp_path):
     assert [json.loads(o.read_text()) for o in outs] == [e.tolist() for e in expected]
 
 
-# -- selectors on a SelectionInput --
+# -- selectors as pure functions of per-token scores (no Lightning, no model) --
 
 
-def _input(draft_div: torch.Tensor, ref_div: torch.Tensor | None = None, normaliser: float = 20.0):
-    n = draft_div.numel()
-    logits = torch.zeros(n, 4)
-    return SelectionInput(
-        target_logits=logits,
-        draft_logits=logits,
-        draft_divergence=draft_div,
-        divergence=None,
-        sequence_index=torch.arange(n) // 5,
-        token_ids=torch.arange(n) % 4,
-        answer_mask=torch.ones(1, n, dtype=torch.bool),
-        batch={},
-        normaliser=torch.tensor(normaliser),
-        ref_divergence=ref_div,
-    )
+def _select(selector, draft: torch.Tensor, ref: torch.Tensor | None = None, normaliser: float = 20.0):
+    """Call a selector on N tokens in sequences of 5 (`sequence_index = arange(N) // 5`)."""
+    return selector.select(draft, ref, torch.arange(draft.numel()) // 5, torch.tensor(normaliser))
 
 
 def test_selectors_rank_by_their_score_and_normalise_as_documented():
     draft = torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0, 0.5, 0.4, 0.3, 0.2, 0.1])
     ref = torch.tensor([4.9, 0.0, 3.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0])
-    gap_pick = AdaSpecSelector(k=0.3).select(_input(draft, ref))
+    gap_pick = _select(AdaSpecSelector(k=0.3), draft, ref)
     assert gap_pick.keep.nonzero().squeeze(1).tolist() == [1, 3, 5]  # large gap, not large draft loss
     torch.testing.assert_close(gap_pick.scores, draft - ref)
     assert gap_pick.normaliser.item() == 20.0
-    loss_pick = DraftLossSelector(k=0.3, normalise="selected_tokens").select(_input(draft))
-    assert loss_pick.keep.nonzero().squeeze(1).tolist() == [0, 1, 2]
+    loss_pick = _select(DraftLossSelector(k=0.3, normalise="selected_tokens"), draft, ref)
+    assert loss_pick.keep.nonzero().squeeze(1).tolist() == [0, 1, 2]  # the reference is not read
     assert loss_pick.normaliser.item() == pytest.approx(6.0)  # k * window answer tokens
-    seq = AdaSpecSelector(k=0.4, scope="sequence").select(_input(draft, ref))
+    seq = _select(AdaSpecSelector(k=0.4, scope="sequence"), draft, ref)
     assert seq.keep.nonzero().squeeze(1).tolist() == [1, 3, 5, 6]  # 2 per sequence of 5
-    none = NoSelector().select(_input(draft))
-    assert none.keep.all() and none.normaliser.item() == 20.0
+    none = _select(NoSelector(), draft)
+    assert none.keep.all() and none.normaliser.item() == 20.0 and none.scores is None
     with pytest.raises(ValueError, match="reference divergence"):
-        AdaSpecSelector().select(_input(draft))
+        _select(AdaSpecSelector(), draft)
+    assert [
+        s.needs_reference for s in (AdaSpecSelector(), DraftLossSelector(), RandomSelector(), NoSelector())
+    ] == [
+        True,
+        False,
+        False,
+        False,
+    ]
+
+
+def test_every_selector_takes_k_and_none_only_k_one():
+    """The stage passes the one key adaspec.k to whichever selector is configured."""
+    draft = torch.arange(10.0)
+    for cls in (AdaSpecSelector, DraftLossSelector, RandomSelector, NoSelector):
+        assert cls(k=1.0).k == 1.0
+        assert _select(cls(k=1.0), draft, torch.zeros(10)).keep.all()  # k = 1 keeps every token
+    for k in (0.4, 0.0, 2.0):
+        with pytest.raises(ValueError, match="selector=none keeps every answer token; set adaspec.k=1"):
+            NoSelector(k=k)
 
 
 def test_random_selector_is_seeded_and_exact():
     draft = torch.zeros(50)
-    a = RandomSelector(k=0.4, seed=3).select(_input(draft)).keep
-    b = RandomSelector(k=0.4, seed=3).select(_input(draft)).keep
-    c = RandomSelector(k=0.4, seed=4).select(_input(draft)).keep
+    a = _select(RandomSelector(k=0.4, seed=3), draft).keep
+    b = _select(RandomSelector(k=0.4, seed=3), draft).keep
+    c = _select(RandomSelector(k=0.4, seed=4), draft).keep
     assert a.equal(b) and not a.equal(c) and int(a.sum()) == int(c.sum()) == 20
     selector = RandomSelector(k=0.4, seed=3)
-    assert not selector.select(_input(draft)).keep.equal(
-        selector.select(_input(draft)).keep
-    )  # fresh each step
+    assert not _select(selector, draft).keep.equal(_select(selector, draft).keep)  # fresh each step
+    state = torch.random.get_rng_state()
+    _select(RandomSelector(k=0.4, seed=5), draft)
+    assert torch.equal(torch.random.get_rng_state(), state)  # its own generator: the global RNG is untouched
 
 
-# -- AdaSPEC through the module and the callback --
+# -- AdaSPEC wired into the module (selector and reference given to the constructor) --
 
 
-def _module_with(selector, reference=None, accumulate: int = 1):
-    module = make_module(accumulate=accumulate)
-    callback = TokenSelection(selector, reference=reference)
-    callback.attach(module)
-    return module, callback
+def _online(reference=None) -> OnlineReference:
+    return OnlineReference(reference if reference is not None else tiny_lm(3, hidden=16), ForwardKL(), VOCAB)
 
 
 def _grads(module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in module.draft.named_parameters() if p.grad is not None}
+
+
+def _rows(model, batch, mask) -> torch.Tensor:
+    """`(N, V)` logits of `model` at the answer positions."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return logits[:, :-1][mask]
 
 
 def test_k_equal_one_is_plain_distillation_loss_and_gradients():
@@ -185,7 +195,7 @@ def test_k_equal_one_is_plain_distillation_loss_and_gradients():
     plain = make_module()
     plain_loss = plain.training_step(batch, 0)
     plain_loss.backward()
-    adaspec, _ = _module_with(AdaSpecSelector(k=1.0), reference=tiny_lm(3, hidden=16))
+    adaspec = make_module(selector=AdaSpecSelector(k=1.0), reference=_online())
     ada_loss = adaspec.training_step(batch, 0)
     ada_loss.backward()
     assert torch.equal(ada_loss, plain_loss)
@@ -195,23 +205,39 @@ def test_k_equal_one_is_plain_distillation_loss_and_gradients():
         assert torch.equal(ada_grads[name], plain_grads[name]), name
 
 
+def test_module_keeps_what_the_pure_selector_keeps_on_the_gap():
+    """DistillModule(selector=AdaSpecSelector(k=0.4), reference=OnlineReference) = the selector on D(p,q) - D(p,r)."""
+    reference = tiny_lm(3, hidden=16)
+    module = make_module(selector=AdaSpecSelector(k=0.4), reference=_online(reference))
+    batch = make_batches(make_examples(4), 4, 1)[0]
+    module.training_step(batch, 0)
+    mask = batch["labels"][:, 1:] != -100
+    with torch.no_grad():
+        t, d, r = (_rows(m, batch, mask) for m in (module.target, module.draft, reference))
+    sequence_index = torch.arange(4)[:, None].expand_as(mask)[mask]
+    direct = AdaSpecSelector(k=0.4).select(
+        forward_kl(t, d), forward_kl(t, r), sequence_index, batch["window_answer_tokens"].float()
+    )
+    record = module.last_selection
+    assert record.keep.equal(direct.keep) and 0 < int(direct.keep.sum()) < direct.keep.numel()
+    torch.testing.assert_close(record.scores, direct.scores)
+    torch.testing.assert_close(record.reference_divergence, forward_kl(t, r))
+    torch.testing.assert_close(record.gap, direct.scores)
+
+
 def test_gradients_reach_the_draft_only_through_selected_tokens():
     batch = make_batches(make_examples(4), 4, 1)[0]
-    module, callback = _module_with(AdaSpecSelector(k=0.4), reference=tiny_lm(3, hidden=16))
+    module = make_module(selector=AdaSpecSelector(k=0.4), reference=_online())
     module.training_step(batch, 0).backward()
     selected_grads = _grads(module)
-    keep = callback.last_selection.keep
+    keep = module.last_selection.keep
     assert 0 < keep.sum() < keep.numel()
     # the same loss written by hand on the kept positions only
     module.draft.zero_grad()
     mask = batch["labels"][:, 1:] != -100
     with torch.no_grad():
-        t = module.target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[
-            :, :-1
-        ][mask]
-    d = module.draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1][
-        mask
-    ]
+        t = _rows(module.target, batch, mask)
+    d = _rows(module.draft, batch, mask)
     manual = forward_kl(t[keep], d[keep]).sum() / batch["window_answer_tokens"]
     manual.backward()
     for name, grad in _grads(module).items():
@@ -233,93 +259,61 @@ def _count_calls(model) -> list[int]:
 def test_online_and_cached_scores_select_the_same_tokens_and_the_target_runs_once():
     reference = tiny_lm(3, hidden=16)
     batches = make_batches(make_examples(8), 4, 1)
-    module, online = _module_with(AdaSpecSelector(k=0.4), reference=reference)
+    module = make_module(selector=AdaSpecSelector(k=0.4), reference=_online(reference))
     target_calls, reference_calls = _count_calls(module.target), _count_calls(reference)
     online_keeps, online_losses = [], []
     for batch in batches:
         online_losses.append(module.training_step(batch, 0).detach())
-        online_keeps.append(online.last_selection.keep)
+        online_keeps.append(module.last_selection.keep)
     assert target_calls[0] == len(batches) and reference_calls[0] == len(batches)
 
     scores = score_reference(module.target, reference, loader(batches), module.divergence, VOCAB)
     assert sorted(scores) == list(range(8))
-    cached_module, cached = _module_with(AdaSpecSelector(k=0.4), reference=None)
+    cached_module = make_module(selector=AdaSpecSelector(k=0.4), reference=CachedReferenceScores())
     cached_module.draft.load_state_dict(module.draft.state_dict())
     reference_calls[0] = 0
     for batch, keep, loss in zip(batches, online_keeps, online_losses, strict=True):
         rows = [scores[int(i)] for i in batch["example_id"]]
         cached_batch = {**batch, "ref_divergence": pad_scores(rows, batch["input_ids"].shape[1] - 1)}
         assert torch.equal(cached_module.training_step(cached_batch, 0).detach(), loss)
-        assert cached.last_selection.keep.equal(keep)
+        assert cached_module.last_selection.keep.equal(keep)
     assert reference_calls[0] == 0  # cached scores replace the reference forward
+
+
+def test_a_reference_is_never_run_for_a_selector_that_does_not_need_it():
+    reference = tiny_lm(3, hidden=16)
+    calls = _count_calls(reference)
+    module = make_module(selector=DraftLossSelector(k=0.4), reference=_online(reference))
+    module.training_step(make_batches(make_examples(4), 4, 1)[0], 0)
+    assert calls[0] == 0 and module.last_selection.reference_divergence is None
 
 
 def test_missing_or_mismatched_reference_is_refused():
     batch = make_batches(make_examples(2), 2, 1)[0]
-    module, _ = _module_with(AdaSpecSelector(), reference=None)
+    with pytest.raises(ValueError, match="needs the reference divergence"):
+        make_module(selector=AdaSpecSelector(), reference=None)
+    module = make_module(selector=AdaSpecSelector(), reference=CachedReferenceScores())
     with pytest.raises(ValueError, match="ref_divergence"):
         module.training_step(batch, 0)
     bad_shape = {**batch, "ref_divergence": torch.zeros(2, 3)}
     with pytest.raises(ValueError, match="score stage"):
         module.training_step(bad_shape, 0)
     with pytest.raises(ValueError, match="vocab_size 32"):
-        TokenSelection(AdaSpecSelector(), reference=tiny_lm(3, hidden=16, vocab=32)).attach(make_module())
-    with pytest.raises(ValueError, match="vocab_size 32"):
-        trainer = make_trainer(max_steps=1)
-        callback = TokenSelection(AdaSpecSelector(), reference=tiny_lm(3, hidden=16, vocab=32))
-        trainer.callbacks.append(callback)
-        trainer.fit(make_module(), loader([batch]))
+        OnlineReference(tiny_lm(3, hidden=16, vocab=32), ForwardKL(), VOCAB)
     with pytest.raises(ValueError, match="too long|positions"):
         pad_scores([[0.0] * 5], 4)
 
 
-class _Tokenizer:
-    """The one method the report needs, on a real id -> text table."""
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(chr(ord("a") + i % 26) for i in ids)
-
-
-def test_callback_end_to_end_writes_report_plot_and_logs(tmp_path):
-    module = make_module()
-    callback = TokenSelection(
-        AdaSpecSelector(k=0.4),
-        reference=tiny_lm(3, hidden=16),
-        tokenizer=_Tokenizer(),
-        histogram_every_n_steps=1,
-    )
-    batches = make_batches(make_examples(8), 4, 1)
-    trainer = make_trainer(max_steps=2, default_root_dir=tmp_path, callbacks=[callback], log_every_n_steps=1)
-    trainer.fit(module, loader(batches))
-    assert module.token_selector is callback
-    assert 0.3 < float(trainer.callback_metrics["selection/kept_fraction"]) < 0.5
-    assert trainer.callback_metrics["selection/gap_kept"] > trainer.callback_metrics["selection/gap_dropped"]
-    report = json.loads((tmp_path / "selection_tokens.json").read_text())
-    answer_tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
-    assert report["answer_tokens"] == answer_tokens
-    assert report["kept_tokens"] == sum(
-        keep_count(int((b["labels"][:, 1:] != -100).sum()), 0.4) for b in batches
-    )
-    top = report["most_dropped"][0]
-    assert top["dropped"] >= report["most_dropped"][-1]["dropped"] and len(top["token"]) == 1
-    assert (tmp_path / "gap_histogram.png").stat().st_size > 1000
-    trainer.save_checkpoint(tmp_path / "last.ckpt")
-    checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=True)
-    assert all(k.startswith("draft.") for k in checkpoint["state_dict"])
-    state = next(v for k, v in checkpoint["callbacks"].items() if "TokenSelection" in k)
-    assert int(state["kept_counts"].sum()) == report["kept_tokens"]
-
-
 @pytest.mark.parametrize("name", ["adaspec", "random", "draft_loss", "none"])
-def test_selector_configs_build_the_callback(name):
+def test_selector_configs_build_selectors(name):
     root = Path(__file__).resolve().parents[1] / "conf"
-    # selectors read k from the adaspec stage settings (`k: ${adaspec.k}`), as in the composed config
-    composed = OmegaConf.create(
-        {"adaspec": {"k": 0.4}, "selector": OmegaConf.load(root / "selector" / f"{name}.yaml")}
-    )
-    callback = instantiate(composed.selector)
-    assert isinstance(callback, TokenSelection)
-    assert callback.needs_reference == (name == "adaspec")
+    # the stage passes the one key adaspec.k to whichever selector is configured
+    composed = OmegaConf.create({"seed": 0, "selector": OmegaConf.load(root / "selector" / f"{name}.yaml")})
+    selector = instantiate(composed.selector, k=1.0)
+    assert selector.needs_reference == (name == "adaspec")
+    assert _select(selector, torch.arange(10.0), torch.zeros(10)).keep.all()
+    if name != "none":
+        assert instantiate(composed.selector, k=0.4).k == 0.4
     for divergence in ("forward_kl", "reverse_kl", "jsd", "tvd"):
         built = instantiate(OmegaConf.load(root / "divergence" / f"{divergence}.yaml"))
         assert built(torch.zeros(2, 4), torch.zeros(2, 4)).shape == (2,)

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -35,3 +36,19 @@ def answer_logits(
             "draft, reference and target must share the tokenizer (set vocab_size to len(tokenizer))"
         )
     return logits[:, :-1, :vocab_size][keep]
+
+
+def answer_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy over answer positions (the SFT loss before normalisation).
+
+    Args:
+        logits: `(B, T, V)` model outputs (cast to fp32).
+        labels: `(B, T)` unshifted labels with -100 on prompt and padding.
+
+    Returns:
+        `()` fp32 sum over answer tokens (0 with zero gradients when no answer token is present); divide it by
+        `specdistill.losses.reduction.window_normaliser` for the training loss.
+    """
+    shifted_logits = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+    shifted_labels = labels[:, 1:].reshape(-1)
+    return F.cross_entropy(shifted_logits, shifted_labels, ignore_index=-100, reduction="sum")

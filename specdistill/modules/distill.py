@@ -1,11 +1,13 @@
 """`DistillModule`: train a draft to match a frozen target on answer tokens (DistillSpec / AdaSPEC stages).
 
-Wiring only: the maths lives in `specdistill.losses` (divergences, reductions) and token selection in
-`specdistill.selection` (reached through the `token_selector` attribute, None = keep every answer token).
+Wiring only: the maths lives in `specdistill.losses` (divergences, reductions), token selection in
+`specdistill.selection` (a pure `selector` and an optional `reference` provider, both given to the constructor);
+see docs/METHODS.md sections 2 and 3.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -16,9 +18,10 @@ from torch import nn
 
 from specdistill.losses.answers import answer_logits, answer_mask
 from specdistill.losses.divergence import Divergence, expected_acceptance, forward_kl
-from specdistill.losses.reduction import reduce_tokens
+from specdistill.losses.reduction import reduce_tokens, window_normaliser
 from specdistill.models.frozen import Frozen
-from specdistill.selection.base import SelectionInput, SupportsSelect
+from specdistill.selection.base import SelectionRecord, Selector
+from specdistill.selection.reference import ReferenceScores
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[..., Any]
@@ -27,16 +30,24 @@ SchedulerFactory = Callable[..., Any]
 class DistillModule(LightningModule):
     """Distil a frozen target into a trainable draft with a per-token divergence on answer tokens.
 
+    The training loss of a micro-batch is `sum of the kept D(p, q) / window_normaliser(batch, world_size)` times the
+    Trainer's `accumulate_grad_batches` (Lightning divides each micro-batch loss by it, while the sum is already
+    normalised by the whole window's answer tokens); outside a Trainer the accumulation and world size are 1.
+
     Args:
         draft: trainable causal LM (HF-style: `model(input_ids=, attention_mask=).logits`).
-        target: frozen causal LM; kept out of `state_dict()` and moved to the module's device at fit/eval start.
+        target: frozen causal LM; kept out of `state_dict()` and placed on the trainer's devices at fit/eval start.
         vocab_size: the tokenizer's real vocabulary; logits are sliced `[..., :vocab_size]`.
         divergence: per-token divergence object, e.g. `ForwardKL()` (see `conf/divergence/`).
         optimizer: factory called with the draft's trainable parameters (Hydra `_partial_: true`).
         scheduler: factory called as `scheduler(optimizer, total_steps=...)` (see `specdistill.utils.schedules`),
             stepped every optimizer step; None for a constant rate.
-        accumulate_grad_batches: must equal the Trainer's. The loss is multiplied by it because Lightning divides
-            each micro-batch loss by it, while our sum is already normalised by the whole window's answer tokens.
+        selector: chooses the answer tokens that train the draft (`specdistill.selection.selectors`, e.g.
+            `AdaSpecSelector(k=0.4)`); None keeps every answer token.
+        reference: where D(p, r) comes from (`specdistill.selection.reference`: `OnlineReference` or
+            `CachedReferenceScores`); required when the selector `needs_reference`, never run otherwise.
+
+    After each training step `last_selection` holds that micro-batch's `SelectionRecord` (for `SelectionReport`).
     """
 
     def __init__(
@@ -47,42 +58,49 @@ class DistillModule(LightningModule):
         divergence: Divergence,
         optimizer: OptimizerFactory,
         scheduler: SchedulerFactory | None = None,
-        accumulate_grad_batches: int = 1,
+        selector: Selector | None = None,
+        reference: ReferenceScores | None = None,
     ) -> None:
         super().__init__()
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be positive (len(tokenizer)), got {vocab_size}")
-        if accumulate_grad_batches < 1:
-            raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}")
-        self.save_hyperparameters(ignore=["draft", "target", "divergence", "optimizer", "scheduler"])
+        _check_reference(selector, reference, divergence, vocab_size)
+        self.save_hyperparameters(
+            ignore=["draft", "target", "divergence", "optimizer", "scheduler", "selector", "reference"]
+        )
         self.draft = draft
         self._target = Frozen(target)
         self.vocab_size = vocab_size
         self.divergence = divergence
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
-        self.accumulate_grad_batches = accumulate_grad_batches
-        self.token_selector: SupportsSelect | None = None
+        self.selector = selector
+        self.reference = reference
+        self.last_selection: SelectionRecord | None = None
 
     @property
     def target(self) -> nn.Module:
         return self._target.model
 
-    # -- device placement of the frozen target (Lightning only moves registered submodules) --
+    @property
+    def uses_reference(self) -> bool:
+        """True when the selector reads reference divergences (the reference then runs or is read every step)."""
+        return self.selector is not None and bool(self.selector.needs_reference)
+
+    # -- device placement of the frozen models (Lightning only moves registered submodules) --
 
     def _place_frozen(self) -> None:
+        reference = self.reference if self.uses_reference else None
         if self._trainer is not None:
             self._target.place(self.trainer)
+            if reference is not None:
+                reference.place(self.trainer)
         else:
             self._target.to(self.device)
+            if reference is not None:
+                reference.to(self.device)
 
     def on_fit_start(self) -> None:
-        trainer_accumulation = self.trainer.accumulate_grad_batches
-        if trainer_accumulation != self.accumulate_grad_batches:
-            raise ValueError(
-                f"DistillModule.accumulate_grad_batches={self.accumulate_grad_batches} but the Trainer accumulates "
-                f"{trainer_accumulation}; set both from the same config value so the loss normalisation is right"
-            )
         self._place_frozen()
 
     def on_validation_start(self) -> None:
@@ -93,6 +111,12 @@ class DistillModule(LightningModule):
 
     # -- steps --
 
+    def _window(self) -> tuple[int, int]:
+        """`(world_size, accumulate_grad_batches)` of the attached Trainer; `(1, 1)` without one."""
+        if self._trainer is None:
+            return 1, 1
+        return self._trainer.world_size, self._trainer.accumulate_grad_batches
+
     def _answer_logits(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return `(answer_mask (B, T-1), target rows (N, V), draft rows (N, V))`; the target runs once, no grad."""
         keep = answer_mask(batch["labels"])
@@ -101,47 +125,51 @@ class DistillModule(LightningModule):
         draft_rows = answer_logits(self.draft, batch, keep, self.vocab_size)
         return keep, target_rows, draft_rows
 
-    def loss_normaliser(self, batch: Mapping[str, Any]) -> torch.Tensor:
-        """What the per-token loss sum of a micro-batch is divided by (see ARCHITECTURE.md, batches).
+    def _select(
+        self,
+        batch: Mapping[str, Any],
+        answers: torch.Tensor,
+        target_rows: torch.Tensor,
+        per_token: torch.Tensor,
+        normaliser: torch.Tensor,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Run the selector (and the reference it needs) on one micro-batch; record it in `last_selection`.
 
-        Data-parallel runs use `global_window_answer_tokens / world_size`: DDP averages the devices' gradients, so
-        the update is then the sum over every device's answer tokens divided by their total, however unevenly the
-        tokens fall on devices. On one device this is `window_answer_tokens`.
+        Args:
+            answers: `(B, T-1)` bool answer mask; target_rows: `(N, V)`; per_token: `(N,)` D(p, q) with grad;
+            normaliser: `()` the window normaliser.
+
+        Returns:
+            `(keep (N,) bool or None for every token, normaliser ())` for `reduce_tokens`.
         """
-        world_size = self._trainer.world_size if self._trainer is not None else 1
-        if world_size > 1 and "global_window_answer_tokens" in batch:
-            return torch.as_tensor(batch["global_window_answer_tokens"]).float() / world_size
-        return torch.as_tensor(batch["window_answer_tokens"]).float()
+        draft_divergence = per_token.detach()
+        token_ids = batch["labels"][:, 1:][answers]
+        if self.selector is None:
+            keep = torch.ones_like(draft_divergence, dtype=torch.bool)
+            self.last_selection = SelectionRecord(keep, None, draft_divergence, None, token_ids)
+            return None, normaliser
+        rows = torch.arange(answers.shape[0], device=answers.device)
+        sequence_index = rows[:, None].expand_as(answers)[answers]
+        reference_divergence = None
+        if self.uses_reference:
+            reference_divergence = self.reference.score(batch, answers, target_rows)
+        selection = self.selector.select(draft_divergence, reference_divergence, sequence_index, normaliser)
+        self.last_selection = SelectionRecord(
+            selection.keep, selection.scores, draft_divergence, reference_divergence, token_ids
+        )
+        return selection.keep, selection.normaliser
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
-        if "window_answer_tokens" not in batch:
-            raise ValueError(
-                "batch has no 'window_answer_tokens' (answer tokens of the whole accumulation window); "
-                "use specdistill's TaskDataModule or add the column to your collate function"
-            )
+        world_size, accumulate = self._window()
+        normaliser = window_normaliser(batch, world_size)
         answers, target_rows, draft_rows = self._answer_logits(batch)
         per_token = self.divergence(target_rows, draft_rows)
-        normaliser = self.loss_normaliser(batch).to(per_token.device)
-        keep = None
-        if self.token_selector is not None:
-            rows = torch.arange(answers.shape[0], device=answers.device)
-            selection = self.token_selector.select(
-                SelectionInput(
-                    target_logits=target_rows,
-                    draft_logits=draft_rows.detach(),
-                    draft_divergence=per_token.detach(),
-                    divergence=self.divergence,
-                    sequence_index=rows[:, None].expand_as(answers)[answers],
-                    token_ids=batch["labels"][:, 1:][answers],
-                    answer_mask=answers,
-                    batch=batch,
-                    normaliser=normaliser,
-                )
-            )
-            keep, normaliser = selection.keep, selection.normaliser
-        loss = reduce_tokens(per_token, keep, normaliser) * self.accumulate_grad_batches
+        keep, normaliser = self._select(
+            batch, answers, target_rows, per_token, normaliser.to(per_token.device)
+        )
+        loss = reduce_tokens(per_token, keep, normaliser) * accumulate
         # Logged value is this micro-batch's share of the window loss, as Lightning will scale it.
-        self.log("train/loss", loss / self.accumulate_grad_batches, on_step=True, prog_bar=True)
+        self.log("train/loss", loss / accumulate, on_step=True, prog_bar=True)
         return loss
 
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
@@ -164,3 +192,33 @@ class DistillModule(LightningModule):
             return optimizer
         scheduler = self.scheduler_factory(optimizer, total_steps=self.trainer.estimated_stepping_batches)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _check_reference(
+    selector: Selector | None, reference: ReferenceScores | None, divergence: Divergence, vocab_size: int
+) -> None:
+    """Refuse a selector that needs a reference without one, and a reference scored differently from training."""
+    if selector is None or not selector.needs_reference:
+        return
+    if reference is None:
+        raise ValueError(
+            f"{type(selector).__name__} needs the reference divergence D(p, r) but DistillModule got reference=None: "
+            "pass reference=OnlineReference(<frozen reference>, divergence, vocab_size), or CachedReferenceScores() "
+            "with batches carrying the cached 'ref_divergence' column (specdistill.selection.reference)"
+        )
+    reference_divergence = getattr(reference, "divergence", None)
+    if reference_divergence is not None and not _same_divergence(reference_divergence, divergence):
+        raise ValueError(
+            f"the reference is scored with {reference_divergence!r} but training uses {divergence!r}; "
+            "the gap D(p, q) - D(p, r) needs the same divergence on both sides"
+        )
+    reference_vocab = getattr(reference, "vocab_size", None)
+    if reference_vocab is not None and reference_vocab != vocab_size:
+        raise ValueError(f"the reference uses vocab_size {reference_vocab} but the module {vocab_size}")
+
+
+def _same_divergence(a: Divergence, b: Divergence) -> bool:
+    """Equal up to `chunk_size`, which changes memory use, not values."""
+    if isinstance(a, Divergence) and isinstance(b, Divergence):
+        return dataclasses.replace(a, chunk_size=None) == dataclasses.replace(b, chunk_size=None)
+    return a == b

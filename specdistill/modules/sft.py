@@ -1,4 +1,4 @@
-"""Target fine-tuning: cross-entropy on answer tokens (prompt and padding masked)."""
+"""Target fine-tuning: cross-entropy on answer tokens (prompt and padding masked), docs/METHODS.md section 1."""
 
 from __future__ import annotations
 
@@ -6,29 +6,25 @@ from collections.abc import Callable
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 
-
-def answer_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy over answer positions.
-
-    Args:
-        logits: `(B, T, V)` model outputs.
-        labels: `(B, T)` unshifted labels with -100 on prompt and padding.
-
-    Returns:
-        Scalar sum over answer tokens (0 with zero gradients when no answer token is present).
-    """
-    shifted_logits = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
-    shifted_labels = labels[:, 1:].reshape(-1)
-    return F.cross_entropy(shifted_logits, shifted_labels, ignore_index=-100, reduction="sum")
+from specdistill.losses.answers import answer_token_cross_entropy
+from specdistill.losses.reduction import normalise_sum, window_normaliser
 
 
 class SFTModule(L.LightningModule):
     """Fine-tunes a causal LM on a task's answers.
 
-    The loss is summed over answer tokens and divided by the answer tokens of the whole gradient-accumulation window
-    (`batch["window_answer_tokens"]`), so batch 8 x accumulation 1 and batch 2 x accumulation 4 give the same update.
+    The training loss is the cross-entropy summed over the micro-batch's answer tokens
+    (`answer_token_cross_entropy`), divided by `window_normaliser(batch, world_size)` (the answer tokens of the whole
+    gradient-accumulation window, all devices counted under data parallelism, exactly as distillation) and
+    multiplied by the Trainer's `accumulate_grad_batches`, so batch 8 x accumulation 1 and batch 2 x accumulation 4
+    give the same update. Outside a Trainer the accumulation and world size are 1.
+
+    Args:
+        model: trainable causal LM (HF-style: `model(input_ids=, attention_mask=).logits` `(B, T, V)`).
+        optimizer: factory called with the model's trainable parameters (Hydra `_partial_: true`).
+        scheduler: factory called as `scheduler(optimizer, total_steps=...)`, stepped every optimizer step; None for
+            a constant rate.
     """
 
     def __init__(
@@ -36,27 +32,27 @@ class SFTModule(L.LightningModule):
         model: torch.nn.Module,
         optimizer: Callable[..., torch.optim.Optimizer],
         scheduler: Callable[..., object] | None = None,
-        accumulate_grad_batches: int = 1,
     ) -> None:
         super().__init__()
         self.model = model
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
-        self.accumulate_grad_batches = accumulate_grad_batches
 
     def _loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         return answer_token_cross_entropy(logits, batch["labels"])
 
+    def _window(self) -> tuple[int, int]:
+        """`(world_size, accumulate_grad_batches)` of the attached Trainer; `(1, 1)` without one."""
+        if self._trainer is None:
+            return 1, 1
+        return self._trainer.world_size, self._trainer.accumulate_grad_batches
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        window_tokens = batch["window_answer_tokens"].clamp_min(1)
-        loss = self._loss_sum(batch) / window_tokens * self.accumulate_grad_batches
-        self.log(
-            "train/loss",
-            loss / self.accumulate_grad_batches,
-            prog_bar=True,
-            batch_size=batch["input_ids"].shape[0],
-        )
+        world_size, accumulate = self._window()
+        normaliser = window_normaliser(batch, world_size)
+        loss = normalise_sum(self._loss_sum(batch), normaliser) * accumulate
+        self.log("train/loss", loss / accumulate, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:

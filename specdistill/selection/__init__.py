@@ -1,6 +1,18 @@
-"""Token selection for selective distillation (AdaSPEC and baselines)."""
+"""Token selection for selective distillation (AdaSPEC and baselines; docs/METHODS.md section 3).
 
-from specdistill.selection.base import Selection, SelectionInput, SupportsSelect
+- `selectors`: pure functions of per-token scores (`AdaSpecSelector`, `RandomSelector`, `DraftLossSelector`,
+  `NoSelector`), built on the exact top-fraction functions of `topk`.
+- `reference`: where AdaSPEC's D(p, r) comes from (`OnlineReference`, `CachedReferenceScores`) and the score cache.
+- `scoring`: the scoring pass over a dataloader and the per-example storage format.
+"""
+
+from specdistill.selection.base import Selection, SelectionRecord, Selector
+from specdistill.selection.reference import (
+    CachedReferenceScores,
+    OnlineReference,
+    ReferenceScores,
+    cached_reference_scores,
+)
 from specdistill.selection.selectors import (
     AdaSpecSelector,
     DraftLossSelector,
@@ -11,11 +23,15 @@ from specdistill.selection.selectors import (
 
 __all__ = [
     "AdaSpecSelector",
+    "CachedReferenceScores",
     "DraftLossSelector",
     "NoSelector",
+    "OnlineReference",
     "RandomSelector",
+    "ReferenceScores",
     "Selection",
-    "SelectionInput",
-    "SupportsSelect",
+    "SelectionRecord",
+    "Selector",
     "TopFractionSelector",
+    "cached_reference_scores",
 ]

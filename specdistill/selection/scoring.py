@@ -3,7 +3,8 @@
 Storage format (one row per example): `scores[example_id]` is a list of `L - 1` floats, L = the example's real
 (unpadded) length, aligned with the shifted positions (`scores[i][t]` scores the prediction of token t + 1 from
 position t) and 0.0 on positions that are not answer tokens. A collate function turns rows back into the batch
-column `ref_divergence: (B, T-1)` with `pad_scores`.
+column `ref_divergence: (B, T-1)` with `pad_scores`; `specdistill.selection.reference.cached_reference_scores` saves
+and reloads them, and `CachedReferenceScores` reads the column during training (docs/METHODS.md section 3).
 """
 
 from __future__ import annotations

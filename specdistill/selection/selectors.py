@@ -1,6 +1,18 @@
-"""Token selectors: AdaSPEC (top fraction by gap), random, draft loss, none.
+"""Token selectors: AdaSPEC (top fraction by gap), random, draft loss, none (maths: docs/METHODS.md section 3).
 
-Every selector implements `select(SelectionInput) -> Selection` (see `specdistill.selection.base`).
+Selectors are pure functions of per-token scores, usable without Lightning or models:
+
+    selection = selector.select(draft_divergence, reference_divergence, sequence_index, normaliser)
+
+with, for the N answer tokens of a micro-batch (see `specdistill.selection.base`):
+    draft_divergence: `(N,)` the training divergence D(p, q) per answer token, detached.
+    reference_divergence: `(N,)` D(p, r) of the reference per answer token, or None; only selectors with
+        `needs_reference = True` (AdaSPEC) read it.
+    sequence_index: `(N,)` long, the batch row of each answer token (read by `scope="sequence"`).
+    normaliser: `()` the default loss normaliser, the answer tokens of the whole accumulation window
+        (`specdistill.losses.reduction.window_normaliser`).
+and a `Selection(keep (N,) bool, normaliser (), scores (N,) | None)` back. Every selector takes the kept fraction `k`
+(the single config key `adaspec.k`); `NoSelector` accepts only k = 1.
 
 Options shared by the top-fraction selectors:
     k: fraction of answer tokens kept, in (0, 1]; default 0.4 (AdaSPEC's default; the authors also use 0.8).
@@ -29,7 +41,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from specdistill.selection.base import Selection, SelectionInput
+from specdistill.selection.base import Selection
 from specdistill.selection.topk import (
     check_fraction,
     top_fraction,
@@ -51,13 +63,33 @@ _NORMALISERS = ("answer_tokens", "selected_tokens")
 
 @dataclass
 class NoSelector:
-    """Keep every answer token: plain distillation."""
+    """Keep every answer token: plain distillation (with the selection statistics still reported).
 
+    Attributes:
+        k: must be 1: the stage passes `adaspec.k` to whichever selector is configured, and this one cannot honour
+            any other fraction.
+    """
+
+    k: float = 1.0
     needs_reference = False
 
-    def select(self, inp: SelectionInput) -> Selection:
-        keep = torch.ones(inp.num_tokens, dtype=torch.bool, device=inp.draft_divergence.device)
-        return Selection(keep=keep, normaliser=inp.normaliser, scores=None)
+    def __post_init__(self) -> None:
+        if float(self.k) != 1.0:
+            raise ValueError(
+                f"selector=none keeps every answer token; set adaspec.k=1 or choose another selector (got k={self.k})"
+            )
+        self.k = 1.0
+
+    def select(
+        self,
+        draft_divergence: torch.Tensor,
+        reference_divergence: torch.Tensor | None,
+        sequence_index: torch.Tensor,
+        normaliser: torch.Tensor,
+    ) -> Selection:
+        """Keep all N tokens; the normaliser is returned unchanged. See the module doc for the arguments."""
+        keep = torch.ones(draft_divergence.shape[0], dtype=torch.bool, device=draft_divergence.device)
+        return Selection(keep=keep, normaliser=normaliser, scores=None)
 
 
 @dataclass
@@ -76,14 +108,23 @@ class TopFractionSelector:
         if self.normalise not in _NORMALISERS:
             raise ValueError(f"normalise must be one of {list(_NORMALISERS)}, got {self.normalise!r}")
 
-    def scores(self, inp: SelectionInput) -> torch.Tensor:
-        """`(N,)` score per answer token; the highest are kept."""
+    def scores(
+        self, draft_divergence: torch.Tensor, reference_divergence: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`(N,)` score per answer token from `(N,)` divergences; the highest are kept."""
         raise NotImplementedError
 
-    def select(self, inp: SelectionInput) -> Selection:
-        scores = self.scores(inp)
-        keep = _SCOPES[self.scope](scores, inp.sequence_index, self.k)
-        normaliser = inp.normaliser if self.normalise == "answer_tokens" else inp.normaliser * self.k
+    def select(
+        self,
+        draft_divergence: torch.Tensor,
+        reference_divergence: torch.Tensor | None,
+        sequence_index: torch.Tensor,
+        normaliser: torch.Tensor,
+    ) -> Selection:
+        """Keep the top fraction k of `scores` within the scope. See the module doc for the arguments."""
+        scores = self.scores(draft_divergence, reference_divergence)
+        keep = _SCOPES[self.scope](scores, sequence_index, self.k)
+        normaliser = normaliser if self.normalise == "answer_tokens" else normaliser * self.k
         return Selection(keep=keep, normaliser=normaliser, scores=scores)
 
 
@@ -91,27 +132,32 @@ class TopFractionSelector:
 class AdaSpecSelector(TopFractionSelector):
     """AdaSPEC: keep the tokens with the largest gap D(p, q) - D(p, r) (draft minus reference divergence).
 
-    Needs `inp.ref_divergence`, filled in by the `TokenSelection` callback from a reference model or from cached
-    scores.
+    Needs `reference_divergence`, which `DistillModule` takes from its reference provider
+    (`specdistill.selection.reference`: an online frozen reference or cached scores).
     """
 
     needs_reference = True
 
-    def scores(self, inp: SelectionInput) -> torch.Tensor:
-        if inp.ref_divergence is None:
+    def scores(
+        self, draft_divergence: torch.Tensor, reference_divergence: torch.Tensor | None
+    ) -> torch.Tensor:
+        if reference_divergence is None:
             raise ValueError(
-                "AdaSpecSelector needs the reference divergence: use it through the TokenSelection callback with "
-                "a reference model, or with batches carrying the cached 'ref_divergence' column (score stage)"
+                "AdaSpecSelector needs the reference divergence D(p, r): give DistillModule a reference provider "
+                "(specdistill.selection.reference.OnlineReference, or CachedReferenceScores with batches carrying "
+                "the 'ref_divergence' column)"
             )
-        return inp.draft_divergence.float() - inp.ref_divergence.float()
+        return draft_divergence.float() - reference_divergence.float()
 
 
 @dataclass
 class DraftLossSelector(TopFractionSelector):
     """Keep the tokens where the draft's own divergence is largest (no reference: the ablation of the gap)."""
 
-    def scores(self, inp: SelectionInput) -> torch.Tensor:
-        return inp.draft_divergence.float()
+    def scores(
+        self, draft_divergence: torch.Tensor, reference_divergence: torch.Tensor | None
+    ) -> torch.Tensor:
+        return draft_divergence.float()
 
 
 @dataclass
@@ -120,14 +166,16 @@ class RandomSelector(TopFractionSelector):
 
     Attributes:
         seed: seed of the selector's own generator (offset by the rank under torch.distributed), so runs repeat
-            and do not disturb the global RNG.
+            and do not disturb the global RNG. Each call draws fresh scores.
     """
 
     seed: int = 0
     _generator: torch.Generator | None = field(default=None, init=False, repr=False)
 
-    def scores(self, inp: SelectionInput) -> torch.Tensor:
+    def scores(
+        self, draft_divergence: torch.Tensor, reference_divergence: torch.Tensor | None
+    ) -> torch.Tensor:
         if self._generator is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             self._generator = torch.Generator().manual_seed(self.seed + rank)
-        return torch.rand(inp.num_tokens, generator=self._generator).to(inp.draft_divergence.device)
+        return torch.rand(draft_divergence.shape[0], generator=self._generator).to(draft_divergence.device)
