@@ -11,7 +11,7 @@
    test prompts then report every policy: fixed K, transformers' heuristic schedule, the confidence threshold, the
    candidate head (public one-behind scoring and `score_newest`), the proposer head, and the oracle bound.
 
-Columns: the METHODS metrics (`acceptance_rate`, `tokens_per_target_call`, `mean_draft_length`, `discard_rate`,
+Columns: the metrics of docs/METHODS.md section 0 (`acceptance_rate`, `tokens_per_target_call`, `mean_draft_length`, `discard_rate`,
 `speedup`) and `modelled_speedup` = generated tokens / (target_forwards + c * draft_forwards) for a draft/target cost
 ratio c (`--cost-ratio`, 0.1 by default, roughly a 7B draft for a 70B target). The wall-clock `speedup` means little
 here because the toy draft is as large as its target; `modelled_speedup` is the number to read.
@@ -56,9 +56,10 @@ from specdistill.decoding.sampling import SamplingConfig
 from specdistill.decoding.stats import DecodingStats
 from specdistill.decoding.toy import toy_pair
 from specdistill.evaluation.runner import evaluate_policies
+from specdistill.head_data import RolloutDataModule, build_hidden_cache
 from specdistill.models.acceptance_head import AcceptanceHead
 from specdistill.modules.acceptance_head import AcceptanceHeadModule
-from specdistill.rollout import RolloutDataModule, build_hidden_cache, run_rollouts
+from specdistill.rollout import run_rollouts
 from specdistill.utils.schedules import cosine
 
 EOS = 0
@@ -151,7 +152,7 @@ def evaluate(args, target, draft, policies: dict[str, DraftPolicy], prompts, sam
         target, {"draft": draft}, policies, [{"prompt_ids": p, "record": None, "example_id": i}
                                              for i, p in enumerate(prompts)],
         None, None, sampling, args.max_new_tokens, args.seed, eos_token_id=EOS, vocab_size=args.vocab,
-        keep_outputs=False, split=split,
+        keep_outputs=False, split=split, max_draft_length=args.max_draft_length,
     )  # fmt: skip
     baseline = report.baseline.stats if report.baseline is not None else None
     rows = {}
@@ -170,11 +171,9 @@ def head_policies(heads: dict[str, AcceptanceHead], args, thresholds=THRESHOLDS)
     for newest in (False, True):
         for h in thresholds:
             name = f"head{'_newest' if newest else ''}_h{h}"
-            policies[name] = AcceptanceHeadPolicy(
-                heads["candidate"], h, 2, args.max_draft_length, score_newest=newest
-            )
+            policies[name] = AcceptanceHeadPolicy(heads["candidate"], h, 2, score_newest=newest)
     for h in thresholds:
-        policies[f"proposer_h{h}"] = AcceptanceHeadPolicy(heads["proposer"], h, 2, args.max_draft_length)
+        policies[f"proposer_h{h}"] = AcceptanceHeadPolicy(heads["proposer"], h, 2)
     return policies
 
 
@@ -233,18 +232,12 @@ def main(argv: list[str] | None = None) -> dict:
     h_proposer = float(chosen["proposer"].split("_h")[-1])
     report_policies: dict[str, DraftPolicy] = {
         f"fixed{fixed_k}": FixedLength(fixed_k),
-        "heuristic": HeuristicSchedule(initial=5, max_draft_length=args.max_draft_length),
-        "confidence0.4": ConfidenceThreshold(0.4, max_draft_length=args.max_draft_length),
-        f"head_h{h}": AcceptanceHeadPolicy(
-            heads["candidate"], h, 2, args.max_draft_length, score_newest=False
-        ),
-        f"head_newest_h{h_newest}": AcceptanceHeadPolicy(
-            heads["candidate"], h_newest, 2, args.max_draft_length, score_newest=True
-        ),
-        f"proposer_h{h_proposer}": AcceptanceHeadPolicy(
-            heads["proposer"], h_proposer, 2, args.max_draft_length
-        ),
-        "oracle": Oracle(args.max_draft_length),
+        "heuristic": HeuristicSchedule(initial=5),
+        "confidence0.4": ConfidenceThreshold(0.4),
+        f"head_h{h}": AcceptanceHeadPolicy(heads["candidate"], h, 2, score_newest=False),
+        f"head_newest_h{h_newest}": AcceptanceHeadPolicy(heads["candidate"], h_newest, 2, score_newest=True),
+        f"proposer_h{h_proposer}": AcceptanceHeadPolicy(heads["proposer"], h_proposer, 2),
+        "oracle": Oracle(),
     }
     test_rows = evaluate(args, target, draft, report_policies, test, sampling, "test")
     print_table(f"test ({len(test)} prompts, c = {args.cost_ratio}; K and h chosen on validation)", test_rows)

@@ -8,6 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specdistill.head_data import (
+    RolloutCollator,
+    RolloutDataModule,
+    build_hidden_cache,
+    judged_head_inputs,
+    mix_sequence,
+)
 from specdistill.losses.head_bce import (
     auroc_rejection,
     binary_kl,
@@ -18,6 +25,7 @@ from specdistill.losses.head_bce import (
     write_reliability_diagram,
 )
 from specdistill.models.acceptance_head import AcceptanceHead
+from specdistill.rollout import run_rollouts
 from tests.threads import one_thread_per_module  # noqa: F401  (autouse fixture)
 
 
@@ -219,8 +227,6 @@ def test_reliability_diagram_png(tmp_path):
 
 
 def test_mix_sequence_puts_loss_only_on_draft_tokens():
-    from specdistill.rollout.data import mix_sequence
-
     response = torch.arange(100, 400)
     draft = torch.arange(1000, 1300)  # disjoint from the response, so every position is identifiable
     mixed, is_draft = mix_sequence(response, draft, r=0.15, generator=torch.Generator().manual_seed(0))
@@ -244,7 +250,6 @@ def head_setup(tmp_path_factory):
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     from specdistill.decoding.sampling import SamplingConfig
-    from specdistill.rollout import build_hidden_cache, run_rollouts
 
     def lm(seed: int, hidden: int) -> GPTNeoXForCausalLM:
         torch.manual_seed(seed)
@@ -281,8 +286,6 @@ def _module(draft, cache: bool = False, lr: float = 1e-2):
 
 
 def _datamodule(root, cache: bool = False):
-    from specdistill.rollout import RolloutDataModule
-
     return RolloutDataModule(str(root / "rollouts"), batch_size=4, mixing_ratio=0.15, val_fraction=0.25, seed=0,
                              hidden_cache_dir=str(root / "cache") if cache else None)  # fmt: skip
 
@@ -336,7 +339,7 @@ def test_head_config_builds_the_head():
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "head" / "default.yaml")
+    cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "acceptance_head" / "default.yaml")
     head = instantiate(cfg.model, hidden_size=24)
     assert isinstance(head, AcceptanceHead)
     assert head.config() == {"hidden_size": 24, "num_blocks": 3, "input": "proposer"}
@@ -353,8 +356,6 @@ def _proposer_row():
 
 
 def test_proposer_collation_keeps_target_tokens_and_judges_the_proposing_states():
-    from specdistill.rollout.data import RolloutCollator
-
     row = _proposer_row()
     batch = RolloutCollator(pad_token_id=0, mixing_ratio=0.15, seed=None, head_input="proposer")(
         [row, {**row, "prompt_index": 4, "prompt_ids": [7]}]
@@ -378,7 +379,6 @@ def test_proposer_collation_keeps_target_tokens_and_judges_the_proposing_states(
 
 def test_proposer_head_inputs_are_proposing_state_and_draft_probability(head_setup):
     from specdistill.decoding.sampling import SamplingConfig
-    from specdistill.rollout.data import RolloutCollator, judged_head_inputs
 
     draft, _ = head_setup
     row = {**_proposer_row(), "response_ids": [10, 11, 12, 13], "draft_tokens": [20, 11, 22, 23]}
@@ -425,7 +425,6 @@ def test_proposer_head_module_learns_and_cache_matches_running_the_draft(head_se
 
     from specdistill.decoding.sampling import SamplingConfig
     from specdistill.modules.acceptance_head import AcceptanceHeadModule
-    from specdistill.rollout import RolloutDataModule, build_hidden_cache
 
     draft, root = head_setup
     sampling = SamplingConfig(temperature=1.0)  # what head_setup's rollouts were labelled with

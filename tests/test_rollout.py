@@ -9,15 +9,8 @@ import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from specdistill.decoding.sampling import SamplingConfig
-from specdistill.rollout import (
-    build_hidden_cache,
-    labelling_config,
-    load_hidden_cache,
-    load_rollouts,
-    run_rollouts,
-    soft_labels,
-)
-from specdistill.rollout.data import RolloutCollator
+from specdistill.head_data import RolloutCollator, build_hidden_cache, load_hidden_cache
+from specdistill.rollout import labelling_config, load_rollouts, run_rollouts, soft_labels
 from specdistill.rollout.generate import generate_responses, label_responses
 from tests.threads import one_thread_per_module  # noqa: F401  (autouse fixture)
 

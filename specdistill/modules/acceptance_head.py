@@ -1,7 +1,7 @@
 """`AcceptanceHeadModule`: train the SpecDec++ acceptance head on rollouts, with the draft frozen.
 
-Wiring only: batches come from `specdistill.rollout.RolloutDataModule` (mixed or plain sequences, or cached head
-inputs), the head inputs from `specdistill.rollout.data.judged_head_inputs`, the loss and metrics from
+Wiring only: batches come from `specdistill.head_data.RolloutDataModule` (mixed or plain sequences, or cached head
+inputs), the head inputs from `specdistill.head_data.judged_head_inputs`, the loss and metrics from
 `specdistill.losses.head_bce`. The head predicts each judged draft token's soft acceptance label
 (`batch["loss_mask"]`: for a candidate head the states whose input is a draft token, for a proposer head the states
 that proposed one).
@@ -20,6 +20,7 @@ from lightning import LightningModule
 from torch import nn
 
 from specdistill.decoding.sampling import SamplingConfig
+from specdistill.head_data.inputs import judged_head_inputs
 from specdistill.losses.head_bce import (
     auroc_rejection,
     binary_kl,
@@ -29,7 +30,6 @@ from specdistill.losses.head_bce import (
 )
 from specdistill.models.acceptance_head import AcceptanceHead
 from specdistill.models.frozen import Frozen
-from specdistill.rollout.data import judged_head_inputs
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class AcceptanceHeadModule(LightningModule):
             if "hidden_states" not in batch:
                 raise ValueError(
                     "cache_hidden_states=True but the batch has no 'hidden_states': build the cache with "
-                    "specdistill.rollout.build_hidden_cache and pass hidden_cache_dir to RolloutDataModule."
+                    "specdistill.head_data.build_hidden_cache and pass hidden_cache_dir to RolloutDataModule."
                 )
             inputs = batch["hidden_states"][keep]
         else:

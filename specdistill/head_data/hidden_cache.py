@@ -19,8 +19,10 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from specdistill.decoding.sampling import SamplingConfig
+from specdistill.head_data.collate import RolloutCollator
+from specdistill.head_data.inputs import judged_head_inputs
 from specdistill.models.acceptance_head import NUM_DRAFT_FEATURES
-from specdistill.rollout.data import RolloutCollator, judged_head_inputs
+from specdistill.rollout.run import load_rollouts
 from specdistill.rollout.storage import (
     load_shards,
     num_shards,
@@ -61,8 +63,6 @@ def build_hidden_cache(
         head_input: `"candidate"` or `"proposer"` (`specdistill.models.acceptance_head`).
         sampling: decoding settings whose `policy_probs` a proposer head reads (default: greedy).
     """
-    from specdistill.rollout.run import load_rollouts
-
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}.")
     rollouts = load_rollouts(rollout_dir)
