@@ -15,8 +15,9 @@ all of them alike; tokens/s = all tokens / all time of the timed passes (one war
 - `hf_assisted_k{K}`: `generate(assistant_model=draft)` with the draft's generation config set to
   `num_assistant_tokens=K`, `num_assistant_tokens_schedule="constant"`, `assistant_confidence_threshold=0` (which
   disables both the confidence stop and its online re-tuning).
-- `ours_fixed_k{K}`, `ours_heuristic`, `ours_confidence`, `ours_entropy`, `ours_oracle`: `SpeculativeDecoder`
-  (the oracle's target probes, `oracle_probe_time_s`, are subtracted from its time).
+- `ours_fixed_k{K}`, `ours_heuristic`, `ours_confidence`, `ours_entropy`, `ours_oracle`: `SpeculativeDecoder` with
+  its default bound of 20 candidates per round (the oracle's target probes, `oracle_probe_time_s`, are subtracted
+  from its time).
 
 On CPU with models this small every forward costs about the same fixed Python overhead, so a draft step is nearly as
 expensive as a target step and speculation itself loses to plain decoding; what this benchmark measures is the
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         "ours_heuristic": our_method("ours_heuristic", HeuristicSchedule(initial=k)),
         "ours_confidence": our_method("ours_confidence", ConfidenceThreshold(0.4)),
         "ours_entropy": our_method("ours_entropy", EntropyThreshold(1.0)),
-        "ours_oracle": our_method("ours_oracle", Oracle(20)),
+        "ours_oracle": our_method("ours_oracle", Oracle()),
     }
     seconds = dict.fromkeys(methods, 0.0)
     tokens = dict.fromkeys(methods, 0)

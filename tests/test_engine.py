@@ -42,23 +42,21 @@ def _prompts(count: int, seed: int = 0) -> list[list[int]]:
     ]
 
 
-def _all_policies(draft) -> dict[str, DraftPolicy]:
+def _all_policies(draft) -> dict[str, tuple[DraftPolicy, int]]:
+    """name -> (policy, the engine's max_draft_length to run it with)."""
     torch.manual_seed(0)
     head = AcceptanceHead(draft.config.hidden_size, num_blocks=2)
+    proposer = AcceptanceHead(draft.config.hidden_size, num_blocks=2, input="proposer")
     return {
-        "fixed1": FixedLength(1),
-        "fixed4": FixedLength(4),
-        "heuristic": HeuristicSchedule(initial=3, max_draft_length=8),
-        "confidence": ConfidenceThreshold(0.4),
-        "entropy": EntropyThreshold(1.0),
-        "oracle": Oracle(6),
-        "head": AcceptanceHeadPolicy(head, threshold=0.5, max_draft_length=6),
-        "head_newest": AcceptanceHeadPolicy(head, threshold=0.5, max_draft_length=6, score_newest=True),
-        "head_proposer": AcceptanceHeadPolicy(
-            AcceptanceHead(draft.config.hidden_size, num_blocks=2, input="proposer"),
-            threshold=0.5,
-            max_draft_length=6,
-        ),
+        "fixed1": (FixedLength(1), 20),
+        "fixed4": (FixedLength(4), 20),
+        "heuristic": (HeuristicSchedule(initial=3), 8),
+        "confidence": (ConfidenceThreshold(0.4), 20),
+        "entropy": (EntropyThreshold(1.0), 20),
+        "oracle": (Oracle(), 6),
+        "head": (AcceptanceHeadPolicy(head, threshold=0.5), 6),
+        "head_newest": (AcceptanceHeadPolicy(head, threshold=0.5, score_newest=True), 6),
+        "head_proposer": (AcceptanceHeadPolicy(proposer, threshold=0.5), 6),
     }
 
 
@@ -110,8 +108,10 @@ def test_greedy_output_equals_target_greedy_for_every_policy(pair):
     prompts = _prompts(5)
     references = [autoregressive(target, p, 20, GREEDY, None, V).tokens for p in prompts]
     rejections = 0
-    for name, policy in _all_policies(draft).items():
-        decoder = SpeculativeDecoder(target, draft, policy, GREEDY, None, V)
+    for name, (policy, max_draft_length) in _all_policies(draft).items():
+        decoder = SpeculativeDecoder(
+            target, draft, policy, GREEDY, None, V, max_draft_length=max_draft_length
+        )
         for prompt, reference in zip(prompts, references, strict=True):
             result = decoder.generate(prompt, 20)
             assert result.tokens == reference, f"{name} diverged from the target's greedy output"
@@ -177,7 +177,7 @@ def _chi_square_fails(counts: torch.Tensor, exact: torch.Tensor, z: float = 3.7)
 def _empirical(target, draft, policy: DraftPolicy, samples: int) -> torch.Tensor:
     # max_new_tokens=2 with one candidate per round: the first token comes from acceptance or the residual, the
     # second from the bonus token (after an acceptance) or a plain target step (after a rejection).
-    decoder = SpeculativeDecoder(target, draft, policy, SAMPLING, None, SMALL_V)
+    decoder = SpeculativeDecoder(target, draft, policy, SAMPLING, None, SMALL_V, max_draft_length=1)
     gen = torch.Generator().manual_seed(0)
     counts = torch.zeros(SMALL_V, SMALL_V)
     for _ in range(samples):
@@ -201,7 +201,7 @@ def test_sampling_matches_target_distribution(small_pair, policy):
     hidden_size = small_pair[1].config.hidden_size
     policies = {
         "fixed": lambda: FixedLength(1),
-        "oracle": lambda: Oracle(1),
+        "oracle": lambda: Oracle(),
         "head_candidate": lambda: AcceptanceHeadPolicy(AcceptanceHead(hidden_size, 1), min_draft_length=1),
         "head_proposer": lambda: AcceptanceHeadPolicy(
             AcceptanceHead(hidden_size, 1, input="proposer"), min_draft_length=1
@@ -247,8 +247,8 @@ def _assert_cache_matches_fresh_forward(model, tokens: torch.Tensor, cache, leng
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=1.0)], ids=["greedy", "sampling"])
 def test_caches_stay_consistent_after_rejections(pair, sampling):
     target, draft = pair
-    for max_new_tokens, policy in ((17, FixedLength(4)), (23, HeuristicSchedule(3)), (20, Oracle(5))):
-        decoder = SpeculativeDecoder(target, draft, policy, sampling, None, V)
+    for max_new_tokens, policy in ((17, FixedLength(4)), (23, HeuristicSchedule(3)), (20, Oracle())):
+        decoder = SpeculativeDecoder(target, draft, policy, sampling, None, V, max_draft_length=5)
         result = decoder.generate(
             [7, 2, 9], max_new_tokens, torch.Generator().manual_seed(1), keep_state=True
         )
@@ -279,10 +279,9 @@ def test_eos_stops_the_output_there(pair, draft_is_target):
 def test_max_new_tokens_is_respected(pair):
     target, draft = pair
     for max_new_tokens in (0, 1, 2, 5, 13):
-        for policy in (FixedLength(4), Oracle(8)):
-            result = SpeculativeDecoder(target, draft, policy, GREEDY, None, V).generate(
-                [1, 2], max_new_tokens
-            )
+        for policy in (FixedLength(4), Oracle()):
+            decoder = SpeculativeDecoder(target, draft, policy, GREEDY, None, V, max_draft_length=8)
+            result = decoder.generate([1, 2], max_new_tokens)
             assert len(result.tokens) == result.stats.generated_tokens == max_new_tokens
         assert len(autoregressive(target, [1, 2], max_new_tokens, GREEDY, None, V).tokens) == max_new_tokens
 
@@ -320,6 +319,90 @@ def test_hidden_state_handed_to_policies_is_post_final_norm(pair):
     with torch.inference_mode():
         expected = draft.gpt_neox(torch.tensor([prompt])).last_hidden_state[0, -1]  # final_layer_norm applied
     torch.testing.assert_close(seen[0], expected)
+
+
+# ---------------------------------------------------------------------------------------------- draft-length bounds
+
+
+class _Never(DraftPolicy):
+    """Never says stop; records every index it is asked at."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+        self.bounds: list[int | None] = []
+
+    def reset(self, max_draft_length: int | None = None) -> None:
+        self.bounds.append(max_draft_length)
+
+    def should_stop(self, step) -> bool:
+        self.asked.append(step.index)
+        return False
+
+
+@pytest.mark.parametrize("max_draft_length", [1, 3, 20])
+def test_engine_stops_at_its_max_for_a_policy_that_never_stops(pair, max_draft_length):
+    target, _ = pair
+    policy = _Never()
+    decoder = SpeculativeDecoder(target, target, policy, GREEDY, None, V, max_draft_length=max_draft_length)
+    stats = decoder.generate([2, 7], 60).stats  # self-draft: every round is accepted in full
+    hist = stats.draft_length_hist
+    assert len(hist) == max_draft_length + 1 and hist[max_draft_length] >= 2  # never more than the max
+    assert max(policy.asked) == max_draft_length
+    assert policy.bounds == [max_draft_length]  # the engine tells the policy its bound once per sequence
+    assert decoder.max_draft_length == max_draft_length
+    assert SpeculativeDecoder(target, target, _Never(), GREEDY, None, V).max_draft_length == 20  # default
+
+
+class _HeadRecorder(AcceptanceHeadPolicy):
+    """Records, per round, each (index asked, answer, number of candidates in P_acc so far)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.rounds: list[list[tuple[int, bool, int]]] = []
+
+    def begin_round(self) -> None:
+        super().begin_round()
+        self.rounds.append([])
+
+    def should_stop(self, step) -> bool:
+        answer = super().should_stop(step)
+        self.rounds[-1].append((step.index, answer, len(self.scored_probs)))
+        return answer
+
+
+def _pessimistic_head(hidden_size: int, input: str) -> AcceptanceHead:
+    """A head predicting acceptance sigmoid(-10): one scored candidate makes 1 - P_acc exceed any h < 1."""
+    head = AcceptanceHead(hidden_size, num_blocks=1, input=input)
+    with torch.no_grad():
+        head.out.weight.zero_()
+        head.out.bias.fill_(-10.0)
+    return head
+
+
+@pytest.mark.parametrize(
+    ("head_input", "score_newest", "expected"),
+    [
+        # public rule: index 1 scores nothing (P_acc = 1, no stop); index 2 scores candidate 1 and stops
+        ("candidate", False, [(1, False, 0), (2, True, 1)]),
+        # newest-candidate scoring: the policy says stop at index 1 already; the engine ignores it (minimum 2)
+        ("candidate", True, [(1, True, 1), (2, True, 2)]),
+        ("proposer", False, [(1, True, 1), (2, True, 2)]),
+    ],
+    ids=["one_behind", "newest", "proposer"],
+)
+def test_head_with_min_two_is_asked_at_index_one_and_the_engine_ignores_its_stop(
+    pair, head_input, score_newest, expected
+):
+    target, draft = pair
+    head = _pessimistic_head(draft.config.hidden_size, head_input)
+    policy = _HeadRecorder(head, 0.5, score_newest=score_newest)
+    assert policy.min_draft_length == 2  # the public SpecDec++ code's minimum, enforced by the engine
+    stats = SpeculativeDecoder(target, draft, policy, GREEDY, None, V).generate([4, 4, 1], 24).stats
+    full = [r for r in policy.rounds if len(r) == 2]
+    assert len(full) >= 5 and all(r == expected for r in full)
+    # other rounds are the last ones, cut by the token budget (k_cap = remaining - 1 < 2)
+    assert all(len(r) < 2 for r in policy.rounds if len(r) != 2)
+    assert stats.draft_length_hist[2] == len(full) and len(stats.draft_length_hist) == 3
 
 
 # ---------------------------------------------------------------------------------------------- statistics

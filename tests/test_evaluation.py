@@ -55,10 +55,11 @@ def _even_fraction(ids, record):
 
 def test_report_has_baseline_and_every_draft_policy_pair(models_, tmp_path):
     target, drafts = models_
-    policies = {"k3": FixedLength(3), "heuristic": HeuristicSchedule(2, max_draft_length=6)}
+    policies = {"k3": FixedLength(3), "heuristic": HeuristicSchedule(2)}
     report = evaluate_policies(
-        target, drafts, policies, _prompts(), _even_fraction, None, GREEDY, 12, seed=0, vocab_size=V
-    )
+        target, drafts, policies, _prompts(), _even_fraction, None, GREEDY, 12, seed=0, vocab_size=V,
+        max_draft_length=6,
+    )  # fmt: skip
     names = [e.name for e in report.entries]
     assert names == ["autoregressive", "noisy/k3", "noisy/heuristic", "self/k3", "self/heuristic"]
     base = report.baseline
@@ -69,6 +70,8 @@ def test_report_has_baseline_and_every_draft_policy_pair(models_, tmp_path):
         assert e.stats.generated_tokens == 3 * 12
     data = report.to_dict()
     metrics = {e["name"]: e["metrics"] for e in data["entries"]}
+    assert report.settings["max_draft_length"] == 6
+    assert max(len(e.stats.draft_length_hist) for e in report.entries) <= 7  # no round above the bound
     assert metrics["autoregressive"]["speedup"] == 1.0
     assert metrics["autoregressive"]["acceptance_rate"] is None
     assert metrics["self/k3"]["acceptance_rate"] == 1.0 and metrics["self/k3"]["tokens_per_target_call"] > 3
@@ -95,7 +98,7 @@ def test_text_scoring_through_the_tokenizer(models_, tokenizer):
     report = evaluate_policies(
         target,
         {"noisy": drafts["noisy"]},
-        {"oracle": Oracle(4)},
+        {"oracle": Oracle()},
         _prompts(2),
         score,
         tokenizer,
@@ -104,6 +107,7 @@ def test_text_scoring_through_the_tokenizer(models_, tokenizer):
         seed=3,
         task_metric_name="starts_with_w",
         split="validation",
+        max_draft_length=4,
     )
     assert len(seen) == 4 and all(isinstance(t, str) for t in seen)
     assert report.settings["vocab_size"] == V and report.settings["split"] == "validation"
@@ -144,6 +148,33 @@ def test_selection_refuses_the_test_split(models_):
             "validation",
             criterion="accuracy",
             vocab_size=V,
+        )
+
+
+def test_the_engine_bound_reaches_every_engine(models_):
+    target, drafts = models_
+    never = HeuristicSchedule(initial=50)  # a schedule longer than any bound: only the engine stops it
+    report = evaluate_policies(
+        target, {"self": drafts["self"]}, {"long": never}, _prompts(1), None, None, GREEDY, 20,
+        vocab_size=V, baseline=False, max_draft_length=3,
+    )  # fmt: skip
+    assert report.entries[0].stats.draft_length_hist == [0, 0, 0, 5]  # 5 rounds of 3 (+1 bonus) = 20 tokens
+    best, values = select_policy(
+        target, drafts["self"], {"long": never, "k1": FixedLength(1)}, _prompts(1), GREEDY, 20, "validation",
+        criterion="mean_draft_length", vocab_size=V, max_draft_length=3,
+    )  # fmt: skip
+    assert best == "long" and values["long"] == 3.0
+    with pytest.raises(ValueError, match="max_draft_length"):
+        best_fixed_length(
+            target,
+            drafts["self"],
+            [2, 8],
+            _prompts(1),
+            GREEDY,
+            8,
+            "validation",
+            vocab_size=V,
+            max_draft_length=6,
         )
 
 
@@ -189,13 +220,13 @@ class _Logged(FixedLength):
         super().__init__(k)
         self.label, self.log = label, log
 
-    def reset(self) -> None:
+    def reset(self, max_draft_length: int | None = None) -> None:
         self.log.append(self.label)
 
 
 def _policies() -> dict:
     # persistent: the schedule carries its length across sequences, so sharing it between drafts would mix them
-    return {"k3": FixedLength(3), "sched": HeuristicSchedule(2, max_draft_length=6, persistent=True)}
+    return {"k3": FixedLength(3), "sched": HeuristicSchedule(2, persistent=True)}
 
 
 def _counters(report) -> dict:
@@ -210,7 +241,7 @@ def test_interleaving_decodes_exactly_what_each_configuration_decodes_alone(mode
     target, drafts = models_
     sampling = SamplingConfig(temperature=1.0)  # sampled, so a shifted seed or mixed policy state would show
     prompts = _prompts(3)
-    kw = dict(vocab_size=V, seed=5, warmup=2)
+    kw = dict(vocab_size=V, seed=5, warmup=2, max_draft_length=6)
     joint = evaluate_policies(target, drafts, _policies(), prompts, _even_fraction, None, sampling, 10, **kw)
     alone = [
         evaluate_policies(

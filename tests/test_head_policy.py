@@ -1,14 +1,16 @@
-"""SpecDec++ stopping rule and the acceptance-head draft-length policy."""
+"""SpecDec++ stopping rule and the acceptance-head draft-length policy (the method is SpecDec++; the code's name for
+its head, policies and report keys is "acceptance_head")."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from specdistill.decoding import head_policy
 from specdistill.decoding.head_policy import (
     AcceptanceHeadPolicy,
+    head_policy_grid,
     head_should_stop,
-    load_head_policy,
     simulate_draft_length,
 )
 from specdistill.decoding.policies import DraftStep
@@ -27,19 +29,18 @@ def test_rule_stops_exactly_where_rejection_probability_first_exceeds_threshold(
     assert simulate_draft_length(probs, 0.05, min_draft_length=1, score_newest=False) == 2
 
 
-def test_rule_is_strict_inequality():
-    assert not head_should_stop(0.5, 3, threshold=0.5, min_draft_length=1, max_draft_length=20)
-    assert head_should_stop(0.49, 3, threshold=0.5, min_draft_length=1, max_draft_length=20)
+def test_rule_is_strict_inequality_and_knows_no_bounds():
+    assert not head_should_stop(0.5, threshold=0.5)
+    assert head_should_stop(0.49, threshold=0.5)
+    assert head_should_stop(0.0, 0.5) and not head_should_stop(1.0, 0.5)  # bounds are the engine's
 
 
-def test_rule_respects_min_and_max():
+def test_simulation_applies_the_engines_min_and_max():
     low = [0.01] * 30
     high = [1.0] * 30
     assert simulate_draft_length(low, 0.5, min_draft_length=3, score_newest=True) == 3
     assert simulate_draft_length(low, 0.5, min_draft_length=2, score_newest=False) == 2
     assert simulate_draft_length(high, 0.5, min_draft_length=2, max_draft_length=7) == 7
-    assert not head_should_stop(0.0, 2, 0.5, min_draft_length=3, max_draft_length=20)
-    assert head_should_stop(1.0, 20, 0.5, min_draft_length=3, max_draft_length=20)
     with pytest.raises(ValueError, match="min_draft_length"):
         simulate_draft_length(low, 0.5, min_draft_length=5, max_draft_length=4)
     with pytest.raises(ValueError, match="threshold"):
@@ -56,18 +57,19 @@ def _head_with_bias(hidden: int, bias: float) -> AcceptanceHead:
     return head
 
 
-def _run_policy(policy: AcceptanceHeadPolicy, hidden_logits: list[float], hidden_size: int = 4) -> int:
-    """Feed the policy steps whose hidden state makes the head predict sigmoid(hidden_logits[index-1])."""
+def _run_policy(
+    policy: AcceptanceHeadPolicy, hidden_logits: list[float], max_draft_length: int = 20, hidden_size: int = 4
+) -> int:
+    """Drive the policy as the engine does (asked after every candidate, a stop before its minimum ignored, the
+    engine's max) with steps whose hidden state makes the head predict sigmoid(hidden_logits[index-1])."""
     policy.begin_round()
-    for index in range(1, policy.max_draft_length + 1):
+    for index in range(1, max_draft_length + 1):
         hidden = torch.zeros(hidden_size)
         hidden[0] = hidden_logits[index - 1]
         step = DraftStep(index=index, token=5, draft_probs=torch.full((8,), 1 / 8), hidden=hidden)
-        if index < policy.min_draft_length:
-            continue  # the engine does not ask before the policy's own engine-facing minimum
-        if policy.should_stop(step):
+        if policy.should_stop(step) and index >= policy.min_draft_length:
             return index
-    return policy.max_draft_length
+    return max_draft_length
 
 
 @pytest.mark.parametrize("score_newest", [False, True])
@@ -75,14 +77,12 @@ def test_policy_matches_offline_rule(score_newest):
     torch.manual_seed(0)
     hidden_logits = (torch.randn(20) * 2 + 2).tolist()
     policy = AcceptanceHeadPolicy(
-        _head_with_bias(4, 0.0),
-        threshold=0.5,
-        min_draft_length=2,
-        max_draft_length=20,
-        score_newest=score_newest,
+        _head_with_bias(4, 0.0), threshold=0.5, min_draft_length=2, score_newest=score_newest
     )
     assert policy.needs_hidden_states and policy.feed_newest is score_newest
-    assert policy.min_draft_length == 1  # asked after every candidate so that P_acc covers all of them
+    assert (
+        policy.min_draft_length == 2
+    )  # enforced by the engine, which asks after every candidate all the same
     length = _run_policy(policy, hidden_logits)
     # the hidden state at index i: with score_newest it is candidate i's, else candidate (i-1)'s (index 1: no one's)
     if score_newest:
@@ -109,10 +109,11 @@ def test_policy_does_not_score_last_accepted_token_and_resets_per_round():
     assert _run_policy(newest, [10.0] * 20) == 20  # begin_round reset P_acc
 
 
-def test_policy_requires_hidden_state_and_loads_from_directory(tmp_path):
-    _head_with_bias(4, 1.0).save(tmp_path / "head")
-    policy = load_head_policy(tmp_path / "head", threshold=0.3, score_newest=True)
-    assert policy.threshold == 0.3 and policy.stop_min_length == 2 and policy.max_draft_length == 20
+def test_policy_requires_hidden_state_and_keeps_only_a_minimum():
+    policy = AcceptanceHeadPolicy(_head_with_bias(4, 1.0), threshold=0.3, score_newest=True)
+    assert policy.threshold == 0.3 and policy.min_draft_length == 2
+    assert not hasattr(policy, "max_draft_length") and not hasattr(policy, "stop_min_length")
+    assert not hasattr(head_policy, "load_head_policy")
     with pytest.raises(ValueError, match="hidden"):
         policy.should_stop(DraftStep(index=1, token=0, draft_probs=torch.ones(4) / 4, hidden=None))
 
@@ -145,9 +146,8 @@ def test_greedy_output_under_head_policy_equals_target_greedy(engine_pair, score
 
     target, draft = engine_pair
     greedy = SamplingConfig(greedy=True)
-    policy = AcceptanceHeadPolicy(_trained_looking_head(32), threshold=0.5, max_draft_length=8,
-                                  score_newest=score_newest)  # fmt: skip
-    decoder = SpeculativeDecoder(target, draft, policy, greedy, None, 40)
+    policy = AcceptanceHeadPolicy(_trained_looking_head(32), threshold=0.5, score_newest=score_newest)
+    decoder = SpeculativeDecoder(target, draft, policy, greedy, None, 40, max_draft_length=8)
     lengths = set()
     for prompt in ([3, 1, 4], [15, 9]):
         reference = autoregressive(target, prompt, 16, greedy, None, 40).tokens
@@ -178,7 +178,7 @@ class _Recorder(AcceptanceHeadPolicy):
         self.rounds[-1] = num_drafted + 1  # candidates plus the bonus token
 
 
-def _decode_with_target_as_draft(target, policy: _Recorder):
+def _decode_with_target_as_draft(target, policy: _Recorder, max_draft_length: int = 5):
     """Greedy decode with `target` as its own draft (every candidate accepted); return the full pass's hidden states
     `(T, H)` and probabilities `(T, V)` (the model's own forward, not the engine's path) and each round's start."""
     from specdistill.decoding.engine import SpeculativeDecoder
@@ -186,7 +186,8 @@ def _decode_with_target_as_draft(target, policy: _Recorder):
     from specdistill.models.acceptance_head import draft_hidden_states
 
     prompt = [3, 1, 4, 1]
-    decoder = SpeculativeDecoder(target, target, policy, SamplingConfig(greedy=True), None, 40)
+    greedy = SamplingConfig(greedy=True)
+    decoder = SpeculativeDecoder(target, target, policy, greedy, None, 40, max_draft_length=max_draft_length)
     sequence = torch.tensor([prompt + decoder.generate(prompt, 18).tokens])
     with torch.no_grad():
         full = draft_hidden_states(target, sequence)[0]
@@ -200,9 +201,7 @@ def test_policy_sees_the_hidden_states_the_head_is_trained_on(engine_pair, score
     """The decoding-time hidden state of a candidate equals `draft_hidden_states` (the training input) at the
     position whose input token is that candidate (score_newest), or the previous token (public code)."""
     target, _ = engine_pair
-    policy = _Recorder(
-        _trained_looking_head(32), threshold=0.5, max_draft_length=5, score_newest=score_newest
-    )
+    policy = _Recorder(_trained_looking_head(32), threshold=0.5, score_newest=score_newest)
     full, _, starts = _decode_with_target_as_draft(target, policy)
     checked = 0
     for round_index, index, hidden, _ in policy.records:
@@ -243,7 +242,7 @@ def test_proposer_policy_sees_proposing_states_and_draft_probabilities(engine_pa
     """At step i the policy gets the state that proposed candidate i (the training input at len(context) - 1) and
     the distribution the candidate came from."""
     target, _ = engine_pair
-    policy = _Recorder(_proposer_head_reading_q(32), threshold=0.5, max_draft_length=5)
+    policy = _Recorder(_proposer_head_reading_q(32), threshold=0.5)
     full, full_probs, starts = _decode_with_target_as_draft(target, policy)
     for round_index, index, hidden, probs in policy.records:
         # candidate `index` sits at start + index - 1 and was proposed one position earlier
@@ -253,23 +252,20 @@ def test_proposer_policy_sees_proposing_states_and_draft_probabilities(engine_pa
     assert len(policy.records) >= 5
 
 
-def test_evaluate_builds_one_policy_per_threshold_for_proposer_heads(tmp_path):
-    from omegaconf import OmegaConf
-
-    from specdistill.stages.evaluate import head_policies
-
-    settings = OmegaConf.create(
-        {"head_thresholds": [0.3, 0.5], "head_score_newest": [False, True], "head_min_draft_length": 1}
+def test_grid_builds_one_policy_per_threshold_named_acceptance_head():
+    proposer = head_policy_grid(
+        AcceptanceHead(4, 1, input="proposer"), [0.3, 0.5], [False, True], min_draft_length=1
     )
-    AcceptanceHead(4, 1, input="proposer").save(tmp_path / "proposer")
-    AcceptanceHead(4, 1).save(tmp_path / "candidate")
-    proposer = head_policies(str(tmp_path / "proposer"), settings, torch.device("cpu"))
-    assert sorted(proposer) == ["specdecpp_h0.3", "specdecpp_h0.5"]
-    assert all(p.scores_newest and p.stop_min_length == 1 for p in proposer.values())
-    candidate = head_policies(str(tmp_path / "candidate"), settings, torch.device("cpu"))
+    assert sorted(proposer) == ["acceptance_head_h0.3", "acceptance_head_h0.5"]
+    assert all(p.scores_newest and p.min_draft_length == 1 for p in proposer.values())
+    candidate = head_policy_grid(AcceptanceHead(4, 1), [0.3, 0.5], [False, True])
     assert sorted(candidate) == [
-        "specdecpp_h0.3",
-        "specdecpp_h0.3_newest",
-        "specdecpp_h0.5",
-        "specdecpp_h0.5_newest",
+        "acceptance_head_h0.3",
+        "acceptance_head_h0.3_newest",
+        "acceptance_head_h0.5",
+        "acceptance_head_h0.5_newest",
     ]
+    assert all(p.min_draft_length == 2 for p in candidate.values())
+    assert candidate["acceptance_head_h0.5_newest"].score_newest
+    assert candidate["acceptance_head_h0.3"].threshold == 0.3
+    assert list(head_policy_grid(AcceptanceHead(4, 1), [0.7], True)) == ["acceptance_head_h0.7_newest"]

@@ -59,12 +59,29 @@ def test_every_policy_config_builds_its_policy(name, cls):
     assert type(policy) is cls and isinstance(policy, DraftPolicy)
 
 
-def test_head_policy_config_loads_a_saved_head(tmp_path):
-    AcceptanceHead(16, num_blocks=1).save(tmp_path / "head")
-    cfg = OmegaConf.load(CONF / "head.yaml")
-    cfg.head_dir = str(tmp_path / "head")
-    policy = instantiate(cfg)
-    assert isinstance(policy, AcceptanceHeadPolicy) and policy.needs_hidden_states
+def _every_policy() -> list[DraftPolicy]:
+    return [
+        FixedLength(3),
+        HeuristicSchedule(),
+        ConfidenceThreshold(),
+        EntropyThreshold(),
+        Oracle(),
+        AcceptanceHeadPolicy(AcceptanceHead(8, num_blocks=1)),
+    ]
+
+
+def test_policies_declare_no_upper_bound():
+    # the engine owns the most candidates per round; the only bound a policy declares is its minimum
+    for policy in _every_policy():
+        assert not hasattr(policy, "max_draft_length"), type(policy).__name__
+        assert isinstance(policy.min_draft_length, int) and policy.min_draft_length >= 1
+    assert (
+        AcceptanceHeadPolicy(AcceptanceHead(8, num_blocks=1)).min_draft_length == 2
+    )  # public SpecDec++ code
+    assert AcceptanceHeadPolicy(AcceptanceHead(8, num_blocks=1), min_draft_length=1).min_draft_length == 1
+    for cls in (HeuristicSchedule, ConfidenceThreshold, EntropyThreshold, Oracle):
+        with pytest.raises(TypeError):
+            cls(max_draft_length=20)
 
 
 # ---------------------------------------------------------------------------------------------- validation
@@ -76,13 +93,11 @@ def test_head_policy_config_loads_a_saved_head(tmp_path):
         (lambda: FixedLength(0), "k"),
         (lambda: FixedLength(2.5), "k"),
         (lambda: HeuristicSchedule(initial=0), "initial"),
-        (lambda: HeuristicSchedule(initial=8, max_draft_length=4), "initial"),
         (lambda: ConfidenceThreshold(0.0), "threshold"),
         (lambda: ConfidenceThreshold(1.5), "threshold"),
-        (lambda: ConfidenceThreshold(0.4, max_draft_length=0), "max_draft_length"),
         (lambda: EntropyThreshold(0.0), "threshold"),
         (lambda: EntropyThreshold(-1.0), "threshold"),
-        (lambda: Oracle(0), "max_draft_length"),
+        (lambda: AcceptanceHeadPolicy(AcceptanceHead(8, 1), min_draft_length=0), "min_draft_length"),
     ],
 )
 def test_policies_validate_their_options(build, match):
@@ -95,27 +110,33 @@ def test_policies_validate_their_options(build, match):
 
 def test_fixed_length_drafts_k():
     policy = FixedLength(3)
-    assert policy.max_draft_length == 3
-    assert [policy.should_stop(_step(i)) for i in (1, 2, 3)] == [False, False, True]
+    assert [policy.should_stop(_step(i)) for i in (1, 2, 3, 4)] == [False, False, True, True]
 
 
 def test_heuristic_schedule_follows_transformers_rule():
-    policy = HeuristicSchedule(initial=3, max_draft_length=6)
-    policy.reset()
+    policy = HeuristicSchedule(initial=3)
+    policy.reset(6)  # the engine's bound: the schedule stops growing there
     lengths = []
     for drafted_all in (True, True, False, False, False, False, True):
         lengths.append(policy.current)
         policy.end_round(policy.current, policy.current if drafted_all else 0)
-    assert lengths == [3, 5, 6, 5, 4, 3, 2]  # +2 capped at 6, then -1 per partial round
+    assert lengths == [3, 5, 6, 5, 4, 3, 2]  # +2 capped at the engine's 6, then -1 per partial round
     policy.current = 1
     policy.end_round(1, 0)
     assert policy.current == 1  # never below 1
-    policy.reset()
+    policy.reset(6)
     assert policy.current == 3  # transient: every sequence restarts
     persistent = HeuristicSchedule(initial=3, persistent=True)
     persistent.end_round(3, 3)
     persistent.reset()
     assert persistent.current == 5
+    unbounded = HeuristicSchedule(initial=3)
+    unbounded.reset()  # no engine bound: transformers' rule, no cap
+    for _ in range(10):
+        unbounded.end_round(unbounded.current, unbounded.current)
+    assert unbounded.current == 23
+    persistent.reset(4)  # a persistent length above the next engine's bound starts at that bound
+    assert persistent.current == 4
 
 
 def test_confidence_threshold_stops_on_low_probability_of_own_token():
@@ -133,7 +154,7 @@ def test_entropy_threshold_stops_on_spread_distribution():
 
 
 def test_oracle_stops_at_the_first_rejected_candidate():
-    policy = Oracle(5)
+    policy = Oracle()
     assert policy.needs_oracle and policy.withdraw_rejected
     assert not policy.should_stop(_step(will_accept=True))
     assert policy.should_stop(_step(will_accept=False))
@@ -149,11 +170,11 @@ class _LengthRecorder(DraftPolicy):
 
     def __init__(self, inner: DraftPolicy) -> None:
         self.inner = inner
-        self.max_draft_length = inner.max_draft_length
+        self.min_draft_length = inner.min_draft_length
         self.lengths: list[int] = []
 
-    def reset(self) -> None:
-        self.inner.reset()
+    def reset(self, max_draft_length: int | None = None) -> None:
+        self.inner.reset(max_draft_length)
 
     def begin_round(self) -> None:
         self.inner.begin_round()
@@ -168,8 +189,8 @@ class _LengthRecorder(DraftPolicy):
 
 def test_heuristic_schedule_grows_when_everything_is_accepted(pair):
     target, _ = pair
-    recorder = _LengthRecorder(HeuristicSchedule(initial=2, max_draft_length=7))
-    SpeculativeDecoder(target, target, recorder, GREEDY, None, V).generate([1, 2, 3], 40)
+    recorder = _LengthRecorder(HeuristicSchedule(initial=2))
+    SpeculativeDecoder(target, target, recorder, GREEDY, None, V, max_draft_length=7).generate([1, 2, 3], 40)
     # all accepted with a self-draft: 2, 4, 6, then the cap; the last round is cut by the token budget
     assert recorder.lengths == [2, 4, 6, 7, 7, 7, 0]
     assert sum(n + 1 for n in recorder.lengths) == 40
@@ -177,10 +198,10 @@ def test_heuristic_schedule_grows_when_everything_is_accepted(pair):
 
 def test_confidence_threshold_sets_draft_lengths(pair):
     target, draft = pair
-    always = _LengthRecorder(ConfidenceThreshold(1.0, max_draft_length=5))  # p < 1 always: one candidate
-    never = _LengthRecorder(ConfidenceThreshold(1e-9, max_draft_length=5))
+    always = _LengthRecorder(ConfidenceThreshold(1.0))  # p < 1 always: one candidate
+    never = _LengthRecorder(ConfidenceThreshold(1e-9))
     for recorder in (always, never):
-        SpeculativeDecoder(target, draft, recorder, GREEDY, None, V).generate([3, 9], 20)
+        SpeculativeDecoder(target, draft, recorder, GREEDY, None, V, max_draft_length=5).generate([3, 9], 20)
     # (a round of 0 candidates happens when only one token of the budget is left)
     assert set(always.lengths) - {0} == {1}
     assert never.lengths[:3] == [5, 5, 5]  # (later rounds may be cut short by the 20-token budget)
@@ -189,7 +210,7 @@ def test_confidence_threshold_sets_draft_lengths(pair):
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=1.0)], ids=["greedy", "sampling"])
 def test_oracle_drafts_only_accepted_candidates(pair, sampling):
     target, draft = pair
-    decoder = SpeculativeDecoder(target, draft, Oracle(8), sampling, None, V)
+    decoder = SpeculativeDecoder(target, draft, Oracle(), sampling, None, V, max_draft_length=8)
     gen = torch.Generator().manual_seed(0)
     stats = [decoder.generate(p, 24, gen).stats for p in ([1, 2, 3], [30, 4], [7])]
     assert sum(s.drafted_tokens for s in stats) > 0
@@ -203,29 +224,44 @@ def test_oracle_drafts_only_accepted_candidates(pair, sampling):
 
 def test_oracle_needs_fewest_target_calls_in_greedy_mode(pair):
     target, draft = pair
-    oracle = SpeculativeDecoder(target, draft, Oracle(8), GREEDY, None, V)
-    others = [FixedLength(1), FixedLength(3), FixedLength(8), HeuristicSchedule(4, max_draft_length=8)]
+    oracle = SpeculativeDecoder(target, draft, Oracle(), GREEDY, None, V, max_draft_length=8)
+    others = [FixedLength(1), FixedLength(3), FixedLength(8), HeuristicSchedule(4)]
     for prompt in ([1, 2, 3], [30, 4], [7, 7, 7, 7]):
         best = oracle.generate(prompt, 30).stats.target_forwards
         for policy in others:
-            calls = SpeculativeDecoder(target, draft, policy, GREEDY, None, V).generate(prompt, 30)
+            decoder = SpeculativeDecoder(target, draft, policy, GREEDY, None, V, max_draft_length=8)
+            calls = decoder.generate(prompt, 30)
             assert best <= calls.stats.target_forwards, type(policy).__name__
 
 
-def test_engine_honours_min_draft_length(pair):
+class _AlwaysStop(DraftPolicy):
+    """Says stop at every candidate and records where it was asked."""
+
+    def __init__(self, min_draft_length: int) -> None:
+        self.min_draft_length = min_draft_length
+        self.asked: list[int] = []
+
+    def should_stop(self, step: DraftStep) -> bool:
+        self.asked.append(step.index)
+        return True
+
+
+def test_engine_asks_every_candidate_and_ignores_stops_before_the_minimum(pair):
     target, draft = pair
-    asked: list[int] = []
-
-    class AlwaysStop(DraftPolicy):
-        min_draft_length = 3
-        max_draft_length = 6
-
-        def should_stop(self, step: DraftStep) -> bool:
-            asked.append(step.index)
-            return True
-
-    recorder = _LengthRecorder(AlwaysStop())
-    recorder.min_draft_length = 3
-    SpeculativeDecoder(target, draft, recorder, GREEDY, None, V).generate([5, 6], 12)
-    assert set(asked) == {3}
+    policy = _AlwaysStop(min_draft_length=3)
+    recorder = _LengthRecorder(policy)
+    SpeculativeDecoder(target, draft, recorder, GREEDY, None, V, max_draft_length=6).generate([5, 6], 12)
+    # asked at 1 and 2 too (the answer is ignored there), and drafting ends at the minimum
+    assert policy.asked[:3] == [1, 2, 3] and set(policy.asked) == {1, 2, 3}
     assert set(recorder.lengths) <= {3, 2, 1, 0}  # 3, or fewer only where the token budget cuts the round
+    assert recorder.lengths[0] == 3
+
+
+def test_engine_validates_the_bounds(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="min_draft_length"):
+        SpeculativeDecoder(target, draft, _AlwaysStop(7), GREEDY, None, V, max_draft_length=6)
+    with pytest.raises(ValueError, match="min_draft_length"):
+        SpeculativeDecoder(target, draft, _AlwaysStop(0), GREEDY, None, V)
+    with pytest.raises(ValueError, match="max_draft_length"):
+        SpeculativeDecoder(target, draft, FixedLength(2), GREEDY, None, V, max_draft_length=0)

@@ -1,11 +1,16 @@
 """Lossless speculative decoding (batch size 1) and the autoregressive baseline it is measured against.
 
-One round: the draft proposes candidates d_1..d_k (the `DraftPolicy` decides k), the target scores
+One round: the draft proposes candidates d_1..d_k, the target scores
 `[pending tokens, d_1..d_k]` in one forward pass, candidates are tested left to right and the round emits the
 accepted prefix plus one target token (the residual sample at the first rejection, or the bonus token when all
 are accepted). Sampling mode accepts d_i with probability min(1, p(d_i) / q(d_i)) and resamples from
 norm(max(0, p - q)); greedy mode accepts iff d_i is the target's argmax. Both are exact: the output has the
 target's (warped) distribution, token for token equal to the target's own greedy output in greedy mode.
+
+Draft length: the engine alone enforces the bounds. It asks the `DraftPolicy` "stop?" after every candidate and ends
+drafting after candidate `index` when `index >= policy.min_draft_length` and the policy says stop, when `index`
+reaches its cap `min(max_draft_length, remaining budget - 1)` (a round emits at most k + 1 tokens), or when the
+candidate is EOS.
 
 Cache invariant: at the start of a round both KV caches cover a prefix of the sequence that is at most `n - 1`
 tokens long (`n` = prompt + generated), so the tokens they have not seen are fed next; after verification the
@@ -146,8 +151,12 @@ def _check_generator(
         )
 
 
+def _is_int_at_least(value: object, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
 def _check_max_new_tokens(max_new_tokens: int) -> None:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+    if not _is_int_at_least(max_new_tokens, 0):
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
 
 
@@ -239,6 +248,8 @@ class SpeculativeDecoder:
         sampling: warping applied identically to draft and target; greedy or temperature 0 for argmax decoding.
         eos_token_id: id (or ids) that end generation; None for none.
         vocab_size: the tokenizer's real vocabulary: logits are compared on `[..., :vocab_size]` only.
+        max_draft_length: most candidates per round (20 as in SpecDec++), further capped by the remaining token
+            budget; must be >= the policy's `min_draft_length`. The only upper bound on the draft length.
     """
 
     def __init__(
@@ -249,6 +260,8 @@ class SpeculativeDecoder:
         sampling: SamplingConfig,
         eos_token_id: int | Sequence[int] | None,
         vocab_size: int,
+        *,
+        max_draft_length: int = 20,
     ) -> None:
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
             raise ValueError(f"vocab_size must be a positive int (len(tokenizer)), got {vocab_size!r}")
@@ -261,11 +274,15 @@ class SpeculativeDecoder:
             )
         if not isinstance(policy, DraftPolicy):
             raise ValueError(f"policy must be a DraftPolicy, got {type(policy).__name__}")
-        if not 1 <= policy.min_draft_length <= policy.max_draft_length:
+        if not _is_int_at_least(max_draft_length, 1):
+            raise ValueError(f"max_draft_length must be an int >= 1, got {max_draft_length!r}")
+        min_length = policy.min_draft_length
+        if not _is_int_at_least(min_length, 1) or min_length > max_draft_length:
             raise ValueError(
-                f"policy needs 1 <= min_draft_length <= max_draft_length, got "
-                f"{policy.min_draft_length} and {policy.max_draft_length}"
+                f"{type(policy).__name__}.min_draft_length must be an int in [1, max_draft_length = "
+                f"{max_draft_length}], got {min_length!r}"
             )
+        self.max_draft_length = max_draft_length
         self.target = target
         self.draft = draft
         self.policy = policy
@@ -295,9 +312,9 @@ class SpeculativeDecoder:
         _check_max_new_tokens(max_new_tokens)
         _check_generator(generator, self.sampling, self.device)
         prompt = _prompt_tensor(prompt_ids, self.device, self.vocab_size)
-        max_k = int(self.policy.max_draft_length)
+        max_k = self.max_draft_length
         seq = _Sequence(prompt, prompt.numel() + max_new_tokens + max_k + 2)
-        self.policy.reset()
+        self.policy.reset(max_k)
         start = time.perf_counter()
         excluded = 0.0
         while seq.n - seq.prompt_length < max_new_tokens and not seq.finished:
@@ -379,7 +396,7 @@ class SpeculativeDecoder:
     def _draft(
         self, seq: _Sequence, k_cap: int, uniforms: torch.Tensor | None, generator: torch.Generator | None
     ):
-        """Draft up to `k_cap` candidates into `seq.buf[n:]`.
+        """Draft up to `k_cap` candidates into `seq.buf[n:]`, asking the policy after each (see the module docstring).
 
         Returns:
             (number of candidates, whether the last one is withdrawn, warped draft rows `(V,)` per candidate in
@@ -424,13 +441,12 @@ class SpeculativeDecoder:
                 p0 = time.perf_counter()
                 will_accept, probe_length = self._probe(seq, index, token, probs, uniforms, probe_length)
                 probe_s += time.perf_counter() - p0
-            stop = token in self.eos or index >= k_cap
-            if index >= policy.min_draft_length:
-                step = DraftStep(index, token, probs, step_hidden, will_accept)
-                if policy.should_stop(step):
-                    stop = True
-                    withdrawn = policy.withdraw_rejected and will_accept is False
-            if stop:
+            # asked after every candidate (a policy may need to see all of them); a stop before the minimum is ignored
+            policy_stop = policy.should_stop(DraftStep(index, token, probs, step_hidden, will_accept))
+            policy_stop = policy_stop and index >= policy.min_draft_length
+            if policy_stop:
+                withdrawn = policy.withdraw_rejected and will_accept is False
+            if policy_stop or index >= k_cap or token in self.eos:
                 return index, withdrawn, q_rows, probe_s, probe_length
             if not feed_newest:
                 logits, hidden, seq.draft_cache = self._draft_forward(

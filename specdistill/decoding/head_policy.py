@@ -1,8 +1,10 @@
 """SpecDec++ draft-length policy: stop drafting once the acceptance head predicts a likely rejection.
 
 Within a round the policy keeps `P_acc`, the product of the head's predicted acceptance over the candidates scored
-so far, and stops as soon as `1 - P_acc > threshold` (METHODS.md section 4), within `[min_draft_length,
-max_draft_length]`; the engine also stops at EOS and at its own bounds.
+so far, and answers "stop" as soon as `1 - P_acc > threshold` (docs/METHODS.md section 4). The engine asks after
+every candidate (so `P_acc` covers all of them) and owns the bounds: it ignores a stop before the policy's
+`min_draft_length` (default 2, as in the public SpecDec++ code), stops at its own `max_draft_length` (20 by
+default, as in SpecDec++) and at EOS.
 
 Which candidates are scored depends on `score_newest`:
 
@@ -20,43 +22,28 @@ public rule's cost (`score_newest` must stay False; `scores_newest` is True).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
-
-import torch
 
 from specdistill.decoding.policies import DraftPolicy, DraftStep
 from specdistill.models.acceptance_head import AcceptanceHead
 
 
-def _check_bounds(threshold: float, min_draft_length: int, max_draft_length: int) -> None:
+def _check_threshold(threshold: float) -> None:
     if not 0.0 <= threshold < 1.0:
         raise ValueError(f"threshold={threshold} must be in [0, 1) (SpecDec++ uses 0.3, 0.5 or 0.7).")
-    if min_draft_length < 1 or max_draft_length < min_draft_length:
-        raise ValueError(
-            f"need 1 <= min_draft_length <= max_draft_length, got {min_draft_length} and {max_draft_length}."
-        )
 
 
-def head_should_stop(
-    acceptance_product: float,
-    num_drafted: int,
-    threshold: float,
-    min_draft_length: int,
-    max_draft_length: int,
-) -> bool:
-    """The SpecDec++ stopping rule after `num_drafted` candidates.
+def _check_min_length(min_draft_length: int) -> None:
+    if isinstance(min_draft_length, bool) or not isinstance(min_draft_length, int) or min_draft_length < 1:
+        raise ValueError(f"min_draft_length must be an int >= 1, got {min_draft_length!r}.")
+
+
+def head_should_stop(acceptance_product: float, threshold: float) -> bool:
+    """The SpecDec++ stopping rule: stop when the predicted probability of at least one rejection exceeds `h`.
 
     Args:
         acceptance_product: `P_acc`, product of predicted acceptance of the candidates scored so far (1 if none).
-        num_drafted: candidates drafted so far in the round.
-        threshold: `h`; stop when the predicted probability of at least one rejection `1 - P_acc` exceeds it.
-        min_draft_length: never stop before this many candidates.
-        max_draft_length: always stop at this many candidates.
+        threshold: `h`; the rule is `1 - P_acc > h` (strict). Bounds on the length are the engine's, not the rule's.
     """
-    if num_drafted >= max_draft_length:
-        return True
-    if num_drafted < min_draft_length:
-        return False
     return 1.0 - acceptance_product > threshold
 
 
@@ -67,13 +54,20 @@ def simulate_draft_length(
     max_draft_length: int = 20,
     score_newest: bool = False,
 ) -> int:
-    """Number of candidates the policy drafts when candidate i would get predicted acceptance `acceptance_probs[i-1]`.
+    """Number of candidates the engine drafts with this policy when candidate i would get predicted acceptance
+    `acceptance_probs[i-1]`.
 
-    Offline twin of `AcceptanceHeadPolicy` (same rule, same scoring offset), used to test and to reason about it.
-    `acceptance_probs` must cover every candidate that may be scored (at least `max_draft_length` values, or fewer
-    if the rule stops earlier).
+    Offline twin of `AcceptanceHeadPolicy` inside `SpeculativeDecoder` (same rule, same scoring offset, and the
+    engine's bounds: a stop before `min_draft_length` is ignored, `max_draft_length` always stops), used to test and
+    to reason about it. `acceptance_probs` must cover every candidate that may be scored (at least
+    `max_draft_length` values, or fewer if the rule stops earlier).
     """
-    _check_bounds(threshold, min_draft_length, max_draft_length)
+    _check_threshold(threshold)
+    _check_min_length(min_draft_length)
+    if max_draft_length < min_draft_length:
+        raise ValueError(
+            f"need min_draft_length <= max_draft_length, got {min_draft_length} and {max_draft_length}."
+        )
     product = 1.0
     for index in range(1, max_draft_length + 1):
         scored = index if score_newest else index - 1
@@ -83,7 +77,7 @@ def simulate_draft_length(
                     f"acceptance_probs has {len(acceptance_probs)} values; candidate {scored} needs one."
                 )
             product *= float(acceptance_probs[scored - 1])
-        if head_should_stop(product, index, threshold, min_draft_length, max_draft_length):
+        if index >= min_draft_length and head_should_stop(product, threshold):
             return index
     return max_draft_length
 
@@ -95,32 +89,27 @@ class AcceptanceHeadPolicy(DraftPolicy):
         head: trained `AcceptanceHead` for this draft (moved to the draft's device and dtype by the caller, or lazily
             to the hidden state's device on first use).
         threshold: `h` in the stopping rule `1 - P_acc > h`.
-        min_draft_length: fewest candidates per round (the public code drafts at least 2).
-        max_draft_length: most candidates per round (20 in SpecDec++).
+        min_draft_length: fewest candidates per round (the public code drafts at least 2); stored as the
+            `min_draft_length` attribute, which the engine enforces. The engine still asks after every candidate,
+            so `P_acc` covers all of them; the policy's answer before the minimum is ignored.
         score_newest: score the newest candidate (engine feeds it first) instead of the public code's one-behind
             scoring; see the module docstring.
-
-    The engine-facing `min_draft_length` attribute is 1 whatever the argument: the policy must see *every* candidate's
-    hidden state to keep `P_acc` exact, so it is asked after each candidate and enforces the minimum itself
-    (`stop_min_length`). This gives the same draft lengths as an engine that would skip the early calls.
     """
 
     needs_hidden_states = True
-    min_draft_length = 1
 
     def __init__(
         self,
         head: AcceptanceHead,
         threshold: float = 0.5,
         min_draft_length: int = 2,
-        max_draft_length: int = 20,
         score_newest: bool = False,
     ) -> None:
-        _check_bounds(threshold, min_draft_length, max_draft_length)
+        _check_threshold(threshold)
+        _check_min_length(min_draft_length)
         self.head = head.eval().requires_grad_(False)
         self.threshold = float(threshold)
-        self.stop_min_length = int(min_draft_length)
-        self.max_draft_length = int(max_draft_length)
+        self.min_draft_length = min_draft_length
         if head.uses_proposer and score_newest:
             raise ValueError(
                 "score_newest=True feeds each candidate to the draft before scoring it, which only a candidate head "
@@ -134,7 +123,7 @@ class AcceptanceHeadPolicy(DraftPolicy):
         self.acceptance_product = 1.0
         self.scored_probs: list[float] = []
 
-    def reset(self) -> None:
+    def reset(self, max_draft_length: int | None = None) -> None:
         self.begin_round()
 
     def begin_round(self) -> None:
@@ -156,9 +145,7 @@ class AcceptanceHeadPolicy(DraftPolicy):
             prob = self.head.score(step.hidden, step.draft_probs, step.token)
             self.scored_probs.append(prob)
             self.acceptance_product *= prob
-        return head_should_stop(
-            self.acceptance_product, step.index, self.threshold, self.stop_min_length, self.max_draft_length
-        )
+        return head_should_stop(self.acceptance_product, self.threshold)
 
 
 def head_policy_grid(
@@ -166,9 +153,8 @@ def head_policy_grid(
     thresholds: Sequence[float],
     score_newest: bool | Sequence[bool] = False,
     min_draft_length: int = 2,
-    max_draft_length: int = 20,
 ) -> dict[str, AcceptanceHeadPolicy]:
-    """One policy per threshold h and scoring mode, named `specdecpp_h{h}` (`_newest` for `score_newest=True`).
+    """One policy per threshold h and scoring mode, named `acceptance_head_h{h}` (`_newest` for `score_newest=True`).
 
     The candidates a selection on validation chooses from. A proposer head always scores the newest candidate, so it
     gets one policy per h whatever `score_newest`.
@@ -177,22 +163,9 @@ def head_policy_grid(
     if head.uses_proposer:
         modes = [False]
     return {
-        f"specdecpp_h{h}{'_newest' if newest else ''}": AcceptanceHeadPolicy(
-            head, h, min_draft_length, max_draft_length, score_newest=newest
+        f"acceptance_head_h{h}{'_newest' if newest else ''}": AcceptanceHeadPolicy(
+            head, h, min_draft_length, score_newest=newest
         )
         for h in thresholds
         for newest in dict.fromkeys(modes)
     }
-
-
-def load_head_policy(
-    head_dir: str | Path,
-    threshold: float = 0.5,
-    min_draft_length: int = 2,
-    max_draft_length: int = 20,
-    score_newest: bool = False,
-    device: torch.device | str = "cpu",
-) -> AcceptanceHeadPolicy:
-    """Build an `AcceptanceHeadPolicy` from a head directory written by `AcceptanceHead.save`."""
-    head = AcceptanceHead.load(head_dir, device=device)
-    return AcceptanceHeadPolicy(head, threshold, min_draft_length, max_draft_length, score_newest)

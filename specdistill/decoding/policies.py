@@ -1,11 +1,17 @@
-"""Draft-length policies: small objects that decide, within a round, when the draft stops proposing.
+"""Draft-length policies: small objects that answer, after each drafted candidate, "stop drafting now?".
 
 Contract with the engine (`specdistill/decoding/engine.py`):
 
-- `reset()` is called once per generated sequence, `begin_round()` at the start of every round.
-- After each drafted candidate the engine builds a `DraftStep` and calls `should_stop(step)`; drafting ends when it
-  returns True, when `step.index == max_draft_length`, or when the candidate is EOS. The engine never asks before
-  `min_draft_length` candidates exist.
+- The engine owns every bound on the draft length. `SpeculativeDecoder(max_draft_length=...)` is the most candidates
+  per round (further capped by the remaining token budget); a policy's only bound is its `min_draft_length`
+  attribute (data, default 1), which the engine reads and enforces. No policy checks a bound itself.
+- `reset(max_draft_length)` is called once per generated sequence with the engine's bound (information for
+  schedules, see `HeuristicSchedule`; None when a policy is driven without an engine), `begin_round()` at the start
+  of every round.
+- After *every* drafted candidate the engine builds a `DraftStep` and calls `should_stop(step)`, so a policy observes
+  all candidates (the acceptance head's product P_acc needs them). Drafting ends when
+  `(step.index >= min_draft_length and should_stop(step))`, when `step.index` reaches the engine's cap, or when the
+  candidate is EOS; an answer given before `min_draft_length` is ignored.
 - After verification the engine calls `end_round(num_drafted, num_accepted)` (feedback for schedules).
 - A policy that sets `needs_hidden_states` receives the draft's last hidden state (after the final norm). With
   `feed_newest = False` (the public SpecDec++ code) `step.hidden` is the state whose *input* was the previous
@@ -22,7 +28,7 @@ Contract with the engine (`specdistill/decoding/engine.py`):
   one-hot and carries no information) it is the softmax of the draft's raw logits, i.e. the draft's confidence.
 
 Concrete policies live in this module (fixed, heuristic schedule, confidence, entropy, oracle) and in
-`specdistill/decoding/head_policy.py` (SpecDec++ acceptance head); `conf/policy/*.yaml` builds them.
+`specdistill/decoding/head_policy.py` (SpecDec++ acceptance head).
 """
 
 from __future__ import annotations
@@ -53,22 +59,28 @@ class DraftStep:
 
 
 class DraftPolicy:
-    """Base class: subclasses override `should_stop` and, if they keep state, the round hooks."""
+    """Base class: subclasses override `should_stop` and, if they keep state, the sequence and round hooks.
 
-    max_draft_length: int = 20
+    Attributes:
+        min_draft_length: fewest candidates per round (>= 1); the engine ignores `should_stop` before it. The only
+            bound a policy declares: the most candidates per round is the engine's `max_draft_length`.
+        needs_hidden_states / feed_newest / needs_oracle / withdraw_rejected: see the module docstring.
+    """
+
     min_draft_length: int = 1
     needs_hidden_states: bool = False
     feed_newest: bool = False
     needs_oracle: bool = False
     withdraw_rejected: bool = False
 
-    def reset(self) -> None:
-        """Start a new sequence."""
+    def reset(self, max_draft_length: int | None = None) -> None:
+        """Start a new sequence decoded under the engine's bound `max_draft_length` (None: no engine, no bound)."""
 
     def begin_round(self) -> None:
         """Start a new drafting round."""
 
     def should_stop(self, step: DraftStep) -> bool:
+        """Whether drafting should end after candidate `step.index` (asked after every candidate)."""
         raise NotImplementedError
 
     def end_round(self, num_drafted: int, num_accepted: int) -> None:
@@ -90,7 +102,9 @@ def _check_probability(name: str, value: float, *, allow_zero: bool = False) -> 
 
 
 class FixedLength(DraftPolicy):
-    """Always draft `k` candidates (fewer only at EOS or at the end of the token budget): vanilla speculative decoding.
+    """Draft `k` candidates per round: vanilla speculative decoding. It answers `index >= k`.
+
+    Fewer only at EOS, at the end of the token budget, or at the engine's `max_draft_length` when `k` exceeds it.
 
     Args:
         k: candidates per round, >= 1.
@@ -98,7 +112,6 @@ class FixedLength(DraftPolicy):
 
     def __init__(self, k: int = 5) -> None:
         self.k = _check_int("k", k, 1)
-        self.max_draft_length = self.k
 
     def should_stop(self, step: DraftStep) -> bool:
         return step.index >= self.k
@@ -107,28 +120,32 @@ class FixedLength(DraftPolicy):
 class HeuristicSchedule(DraftPolicy):
     """transformers' `num_assistant_tokens_schedule="heuristic"`: +2 after a fully accepted round, -1 otherwise.
 
-    The current length never drops below 1 and is capped at `max_draft_length` (transformers has no cap; the cap
-    keeps a long run of accepted rounds from needing as many rejections to come back down). With
-    `persistent=False` (default, transformers' "heuristic_transient") every sequence starts again from `initial`;
-    with `persistent=True` (transformers' "heuristic") the length carries over between sequences.
+    The schedule's length `current` never drops below 1. transformers lets it grow without bound; here it never
+    grows past the engine's `max_draft_length`, which the engine passes to `reset` (the schedule does not enforce
+    that bound, the engine does; the schedule only stops *counting* past it). Without that cap a long run of
+    accepted rounds would push `current` far above what the engine drafts, and as many partial rounds would be
+    needed before the drafted length moved again. Driven without an engine (`reset()` with no bound) it grows
+    without bound, like transformers. With `persistent=False` (default, transformers' "heuristic_transient") every
+    sequence starts again from `initial`; with `persistent=True` (transformers' "heuristic") the length carries over
+    between sequences (capped at the bound of the engine that starts the next one).
 
     Args:
-        initial: draft length of the first round, >= 1.
-        max_draft_length: upper bound on the length, >= initial.
+        initial: draft length of the first round, >= 1 (the engine caps it at its `max_draft_length`).
         persistent: keep the learnt length across `reset()`.
     """
 
-    def __init__(self, initial: int = 5, max_draft_length: int = 20, persistent: bool = False) -> None:
+    def __init__(self, initial: int = 5, persistent: bool = False) -> None:
         self.initial = _check_int("initial", initial, 1)
-        self.max_draft_length = _check_int("max_draft_length", max_draft_length, 1)
-        if self.initial > self.max_draft_length:
-            raise ValueError(f"initial ({initial}) must be <= max_draft_length ({max_draft_length})")
         self.persistent = bool(persistent)
         self.current = self.initial
+        self._bound: int | None = None
 
-    def reset(self) -> None:
+    def reset(self, max_draft_length: int | None = None) -> None:
+        self._bound = max_draft_length
         if not self.persistent:
             self.current = self.initial
+        if self._bound is not None:
+            self.current = min(self.current, self._bound)
 
     def should_stop(self, step: DraftStep) -> bool:
         return step.index >= self.current
@@ -137,7 +154,8 @@ class HeuristicSchedule(DraftPolicy):
         if num_drafted == 0:  # nothing was proposed (token budget exhausted): no evidence either way
             return
         if num_accepted == num_drafted:
-            self.current = min(self.current + 2, self.max_draft_length)
+            grown = self.current + 2
+            self.current = grown if self._bound is None else min(grown, self._bound)
         else:
             self.current = max(1, self.current - 1)
 
@@ -150,12 +168,10 @@ class ConfidenceThreshold(DraftPolicy):
 
     Args:
         threshold: in (0, 1]; 0.4 is transformers' default.
-        max_draft_length: most candidates per round.
     """
 
-    def __init__(self, threshold: float = 0.4, max_draft_length: int = 20) -> None:
+    def __init__(self, threshold: float = 0.4) -> None:
         self.threshold = _check_probability("threshold", threshold)
-        self.max_draft_length = _check_int("max_draft_length", max_draft_length, 1)
 
     def should_stop(self, step: DraftStep) -> bool:
         return float(step.draft_probs[step.token]) < self.threshold
@@ -176,14 +192,12 @@ class EntropyThreshold(DraftPolicy):
 
     Args:
         threshold: entropy in nats, > 0 (log V is the uniform distribution's).
-        max_draft_length: most candidates per round.
     """
 
-    def __init__(self, threshold: float = 1.0, max_draft_length: int = 20) -> None:
+    def __init__(self, threshold: float = 1.0) -> None:
         if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not threshold > 0:
             raise ValueError(f"threshold must be an entropy in nats > 0, got {threshold!r}")
         self.threshold = float(threshold)
-        self.max_draft_length = _check_int("max_draft_length", max_draft_length, 1)
 
     def should_stop(self, step: DraftStep) -> bool:
         return float(entropy(step.draft_probs)) > self.threshold
@@ -197,19 +211,14 @@ class Oracle(DraftPolicy):
     candidate is accepted. Greedy mode: a candidate is accepted iff it equals the target's argmax, exactly. Sampling
     mode: the probe uses the same uniform draw u_i that the real verification uses for candidate i (the randomness
     is coupled per position), so the probe and the real round agree; the withdrawn candidate's token is replaced by
-    a residual sample, exactly as after a rejection. Stopping at the first rejection or at `max_draft_length` is the
-    termination rule of plain speculative sampling with K = max_draft_length, so the output distribution is the
-    target's. The draft forward that produced the withdrawn candidate is real work and is counted.
-
-    Args:
-        max_draft_length: most candidates per round (20 as in SpecDec++).
+    a residual sample, exactly as after a rejection. Stopping at the first rejection or at the engine's
+    `max_draft_length` is the termination rule of plain speculative sampling with K = that bound, so the output
+    distribution is the target's. The draft forward that produced the withdrawn candidate is real work and is
+    counted. It has no bound of its own: the engine's `max_draft_length` (20 by default, as in SpecDec++) applies.
     """
 
     needs_oracle = True
     withdraw_rejected = True
-
-    def __init__(self, max_draft_length: int = 20) -> None:
-        self.max_draft_length = _check_int("max_draft_length", max_draft_length, 1)
 
     def should_stop(self, step: DraftStep) -> bool:
         if step.will_accept is None:

@@ -1,4 +1,4 @@
-"""Per-run speculative-decoding statistics, with the metric names of METHODS section 0.
+"""Per-run speculative-decoding statistics, with the metric names of docs/METHODS.md section 0.
 
 Counters are summed over rounds, sequences and prompts (`DecodingStats.merge` / `+`) and the metrics are derived
 from the sums only at the end, so aggregating many prompts weights every token equally.
@@ -135,7 +135,7 @@ class DecodingStats:
         return self.drafted_tokens - self.accepted_tokens
 
     def metrics(self) -> dict[str, float | None]:
-        """The METHODS section 0 metrics (`speedup` needs a baseline: see `speedup`)."""
+        """The docs/METHODS.md section 0 metrics (`speedup` needs a baseline: see `speedup`)."""
         return {
             "acceptance_rate": _ratio(self.accepted_tokens, self.accepted_tokens + self.rejected_tokens),
             "accepted_per_draft": _ratio(self.accepted_tokens, self.drafted_tokens),

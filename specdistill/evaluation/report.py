@@ -8,7 +8,8 @@
                   "task_metric": 0.41, "num_scored": 50,
                   "counters": {...DecodingStats.to_dict()...}}, ...]}
 
-Metric names are exactly METHODS section 0's; undefined metrics (e.g. the baseline's `acceptance_rate`) are null.
+Metric names are exactly docs/METHODS.md section 0's; undefined metrics (e.g. the baseline's `acceptance_rate`)
+are null.
 """
 
 from __future__ import annotations

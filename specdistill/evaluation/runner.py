@@ -1,7 +1,8 @@
 """Run the autoregressive target and every draft x policy on the same prompts, in one process, and report.
 
-Fairness: every configuration decodes the same prompts with the same `max_new_tokens`, the same sampling warpers
-and, per prompt, a generator seeded with `seed + prompt index`; each configuration first runs `warmup` untimed
+Fairness: every configuration decodes the same prompts with the same `max_new_tokens`, the same sampling warpers,
+the same engine bound `max_draft_length` (the most candidates per round, for every policy) and, per prompt, a
+generator seeded with `seed + prompt index`; each configuration first runs `warmup` untimed
 generations so one-time start-up costs do not land on whichever runs first. `speedup` divides by the baseline's
 tokens/s measured in the same call.
 
@@ -9,11 +10,11 @@ Timing: the configurations are interleaved prompt by prompt, not run one block e
 configuration decodes it once, in an order rotated by i (no configuration is always first), then prompt i + 1, and so
 on over `repeats` passes; each generation times itself (`DecodingStats.wall_time_s`) and a configuration's tokens/s
 is all its tokens / all its time. On a shared machine the speed drifts by tens of percent over minutes (other jobs,
-clocks); with one block per configuration that drift lands on whichever configuration's block it coincides with (a
-policy measured at 0.39x the baseline in blocks was 1.06x interleaved), while interleaved it hits every configuration
-within seconds of the others. Interleaving changes no output: each generation has its own seeded generator, and a
+clocks); with one block per configuration that drift lands on whichever configuration's block it coincides with
+(docs/NOTES.md has a case), while interleaved it hits every configuration within seconds of the others. Interleaving changes no output: each generation has its own seeded generator, and a
 policy object shared by several configurations is copied per configuration, so every configuration decodes exactly
-what it would alone (`benchmarks/bench_pipeline_policies.py` measures the same way).
+what it would alone. The whole evaluation protocol (selection of K and h, then the test run) is
+`specdistill/evaluation/protocol.py`, which the evaluate stage and `benchmarks/bench_pipeline_policies.py` call.
 
 Honesty: choosing a draft length K or a threshold on the split you report is selection on the test set. The
 selection helpers (`select_policy`, `best_fixed_length`) take the split their prompts come from and refuse "test":
@@ -180,6 +181,7 @@ def evaluate_policies(
     task_metric_name: str | None = None,
     split: str | None = None,
     repeats: int = 1,
+    max_draft_length: int = 20,
 ) -> Report:
     """Decode `prompts` with the target alone and with every draft x policy; score and time each run.
 
@@ -211,6 +213,7 @@ def evaluate_policies(
         repeats: timed passes over all prompts; stats (tokens, time, counters) are summed over every pass, while
             outputs, scores and the task metric come from the first pass only (with sampling, later passes reuse
             the same seeds and so decode the same tokens).
+        max_draft_length: the engine's bound, most candidates per round, passed to every `SpeculativeDecoder`.
     """
     _check_prompts(prompts)
     vocab = _resolve_vocab(tokenizer, vocab_size)
@@ -242,7 +245,9 @@ def evaluate_policies(
         # each configuration behaves exactly as it would alone
         if uses[id(policy)] > 1:
             policy = copy.deepcopy(policy)
-        decoder = SpeculativeDecoder(target, drafts[draft_name], policy, sampling, eos, vocab)
+        decoder = SpeculativeDecoder(
+            target, drafts[draft_name], policy, sampling, eos, vocab, max_draft_length=max_draft_length
+        )
 
         def spec(ids: list[int], gen: torch.Generator, decoder=decoder) -> GenerationResult:
             return decoder.generate(ids, max_new_tokens, gen)
@@ -256,6 +261,7 @@ def evaluate_policies(
         "seed": seed,
         "warmup": warmup,
         "repeats": repeats,
+        "max_draft_length": max_draft_length,
         "sampling": {
             "temperature": sampling.temperature,
             "top_k": sampling.top_k,
@@ -296,10 +302,12 @@ def select_policy(
     vocab_size: int | None = None,
     warmup: int = 1,
     repeats: int = 1,
+    max_draft_length: int = 20,
 ) -> tuple[str, dict[str, float | None]]:
     """Pick the candidate policy with the highest `criterion` on a selection split (never "test").
 
-    The candidates are timed interleaved like `evaluate_policies` (no autoregressive baseline); `repeats` passes.
+    The candidates are timed interleaved like `evaluate_policies` (no autoregressive baseline); `repeats` passes;
+    every engine gets the bound `max_draft_length` (use the one the chosen policy will be reported with).
 
     Returns:
         (best candidate name, criterion value per candidate).
@@ -326,6 +334,7 @@ def select_policy(
         repeats=repeats,
         keep_outputs=False,
         split=split,
+        max_draft_length=max_draft_length,
     )
     values = {e.policy: e.stats.metrics()[criterion] for e in report.entries}
     scored = {name: v for name, v in values.items() if v is not None}
@@ -347,11 +356,17 @@ def best_fixed_length(
 ) -> tuple[int, dict[int, float | None]]:
     """The best `FixedLength(K)` over `ks` by tokens_per_second on a selection split (never "test").
 
+    `kwargs` go to `select_policy` (criterion, tokenizer, vocab_size, warmup, repeats, max_draft_length, ...); every
+    K must be <= `max_draft_length` (default 20), which would otherwise silently cut it.
+
     Returns:
         (best K, tokens_per_second per K).
     """
     if not ks:
         raise ValueError("ks is empty: give the draft lengths to try, e.g. [1, 2, 3, 4, 5, 6, 8]")
+    bound = kwargs.get("max_draft_length", 20)
+    if max(ks) > bound:
+        raise ValueError(f"fixed lengths {list(ks)} exceed the engine's max_draft_length={bound}")
     candidates = {str(k): FixedLength(k) for k in ks}
     best, values = select_policy(
         target, draft, candidates, prompts, sampling, max_new_tokens, split, seed, **kwargs

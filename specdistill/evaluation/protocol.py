@@ -1,0 +1,174 @@
+"""The evaluation protocol: choose K and h per draft on a selection split, then report every policy on the test split.
+
+`evaluate_drafts` is the one entry point, called by the evaluate stage and by `benchmarks/bench_pipeline_policies.py`:
+
+1. Selection, on `selection_prompts` from `selection_split` (never "test"): for each draft, the fastest
+   `FixedLength(K)` over `fixed_lengths` (`best_fixed_length`, tokens/s); for each draft with an acceptance head, one
+   `AcceptanceHeadPolicy` per threshold h and scoring mode (`head_policy_grid`), the fastest chosen by
+   `select_policy`.
+2. Test, on `test_prompts` from `split`, in one `evaluate_policies` call (configurations interleaved prompt by
+   prompt): the autoregressive target, then per draft, in this order, `<draft>/fixed_k{K}` (the chosen K), the
+   given training-free `policies` in their order (e.g. heuristic, confidence, entropy, oracle), and every head
+   policy of the grid, `<draft>/<draft>_acceptance_head_h{h}` (`_newest` suffix for newest-candidate scoring). Every
+   engine, in selection and test, gets the same bound `max_draft_length`.
+3. `policy_ratios`: tokens/s of each draft's chosen head policy over its chosen fixed K
+   (`<draft>/acceptance_head_over_best_fixed_k`) and over its oracle (`<draft>/acceptance_head_over_oracle`, when a
+   policy named "oracle" is given), the SpecDec++ comparison of docs/METHODS.md section 4. All head policies are on
+   the test table; the ratios use only the one chosen on the selection split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specdistill.decoding.head_policy import head_policy_grid
+from specdistill.decoding.policies import DraftPolicy, FixedLength
+from specdistill.decoding.sampling import SamplingConfig
+from specdistill.evaluation.report import Report, format_table
+from specdistill.evaluation.runner import ScoreFn, best_fixed_length, evaluate_policies, select_policy
+from specdistill.models.acceptance_head import AcceptanceHead
+
+ORACLE_NAME = "oracle"
+HEAD_NAME = "acceptance_head"
+
+
+@dataclass
+class EvaluationResult:
+    """What `evaluate_drafts` measured.
+
+    Attributes:
+        report: the test-split report (`report.settings["selection"]` = `{"split": selection_split, **choices}`,
+            `report.settings["ratios"]` = `ratios`); `Report.save(dir)` writes it.
+        choices: per draft `{"best_k": K, "tokens_per_second_by_k": {K: tokens/s}}`, plus for drafts with a head
+            `"best_head"` (the chosen policy's name in the report, `<draft>_acceptance_head_h{h}[_newest]`) and
+            `"tokens_per_second_by_head"` (grid name `acceptance_head_h{h}[_newest]` -> tokens/s on selection).
+        ratios: `<draft>/acceptance_head_over_best_fixed_k` and `<draft>/acceptance_head_over_oracle` (tokens/s
+            ratios on the test split; a key is absent when either side is missing or has no tokens/s).
+        table: `format_table(report)`, a newline, then `format_ratios(choices, ratios)`.
+    """
+
+    report: Report
+    choices: dict[str, dict[str, Any]]
+    ratios: dict[str, float]
+    table: str
+
+
+def policy_ratios(report: Report, choices: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+    """tokens/s of each draft's selection-chosen head policy over its chosen fixed K and over its oracle."""
+    speed = {e.name: e.stats.metrics()["tokens_per_second"] for e in report.entries}
+    ratios: dict[str, float] = {}
+    for draft, choice in choices.items():
+        head = speed.get(f"{draft}/{choice.get('best_head')}")
+        fixed = speed.get(f"{draft}/fixed_k{choice['best_k']}")
+        oracle = speed.get(f"{draft}/{ORACLE_NAME}")
+        if head and fixed:
+            ratios[f"{draft}/{HEAD_NAME}_over_best_fixed_k"] = head / fixed
+        if head and oracle:
+            ratios[f"{draft}/{HEAD_NAME}_over_oracle"] = head / oracle
+    return ratios
+
+
+def format_ratios(choices: Mapping[str, Mapping[str, Any]], ratios: Mapping[str, float]) -> str:
+    """One line with each draft's choices (`d: K=3, d_acceptance_head_h0.5`), then one `name = value` per ratio."""
+    chosen = "; ".join(
+        f"{d}: K={c['best_k']}" + (f", {c['best_head']}" if c.get("best_head") else "")
+        for d, c in choices.items()
+    )
+    lines = [f"chosen on the selection split (tokens/s): {chosen}"]
+    lines += [f"{name} = {value:.3f}" for name, value in ratios.items()]
+    return "\n".join(lines)
+
+
+def evaluate_drafts(
+    target: torch.nn.Module,
+    drafts: Mapping[str, torch.nn.Module],
+    heads: Mapping[str, AcceptanceHead],
+    policies: Mapping[str, DraftPolicy],
+    *,
+    fixed_lengths: Sequence[int],
+    head_thresholds: Sequence[float],
+    head_score_newest: bool | Sequence[bool] = False,
+    head_min_draft_length: int = 2,
+    max_draft_length: int = 20,
+    test_prompts: Sequence[Mapping[str, Any]],
+    selection_prompts: Sequence[Mapping[str, Any]],
+    selection_split: str,
+    split: str,
+    tokenizer: Any,
+    vocab_size: int | None,
+    sampling: SamplingConfig,
+    max_new_tokens: int,
+    seed: int = 0,
+    warmup: int = 1,
+    repeats: int = 1,
+    selection_repeats: int = 1,
+    score_fn: ScoreFn | None = None,
+    task_metric_name: str | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+) -> EvaluationResult:
+    """Choose K (and h) per draft on the selection split, then decode the test prompts with everything (module doc).
+
+    Args:
+        target: the target causal LM (eval mode, on its device).
+        drafts: draft name -> draft model; the report lists the drafts in this order.
+        heads: draft name -> its trained `AcceptanceHead` (on the drafts' device); drafts without one get no head
+            policies. Every key must be a draft.
+        policies: training-free policies run on every draft (name -> policy, e.g. heuristic, confidence, entropy,
+            oracle); not changed (the runner copies a policy shared by several drafts).
+        fixed_lengths: the K grid, each <= `max_draft_length`.
+        head_thresholds: the h grid of the head policies.
+        head_score_newest: candidate heads' scoring mode(s): False (public code), True, or both `[False, True]`.
+        head_min_draft_length: the head policies' `min_draft_length` (enforced by the engine).
+        max_draft_length: the engine's bound, most candidates per round, for every policy in selection and test.
+        test_prompts / selection_prompts: prompt dicts `{prompt_ids, record, example_id}` (see `evaluate_policies`).
+        selection_split / split: the splits they come from (`selection_split` must not be "test").
+        tokenizer: decodes outputs and gives the EOS and vocabulary defaults (may be None with `vocab_size`).
+        vocab_size: the tokenizer's real vocabulary (None: `len(tokenizer)`).
+        sampling / max_new_tokens / seed: shared by every decoding, selection included.
+        warmup: untimed generations per configuration, in selection and test.
+        repeats / selection_repeats: timed passes over the test / selection prompts.
+        score_fn / task_metric_name: the task metric of the test outputs (e.g. `task.score`, `task.metric_name`).
+        eos_token_id: overrides the tokenizer's EOS.
+    """
+    unknown = sorted(set(heads) - set(drafts))
+    if unknown:
+        raise ValueError(f"heads given for drafts that are not evaluated: {unknown}")
+    common: dict[str, Any] = dict(
+        sampling=sampling, max_new_tokens=max_new_tokens, seed=seed, tokenizer=tokenizer, vocab_size=vocab_size,
+        eos_token_id=eos_token_id, warmup=warmup, max_draft_length=max_draft_length,
+    )  # fmt: skip
+    selection = dict(prompts=selection_prompts, split=selection_split, repeats=selection_repeats, **common)
+    all_policies: dict[str, DraftPolicy] = dict(policies)
+    combinations = [(d, p) for d in drafts for p in policies]
+    choices: dict[str, dict[str, Any]] = {}
+    for draft_name, draft in drafts.items():
+        best_k, per_k = best_fixed_length(target, draft, list(fixed_lengths), **selection)
+        choices[draft_name] = {"best_k": best_k, "tokens_per_second_by_k": per_k}
+        fixed_name = f"fixed_k{best_k}"
+        all_policies.setdefault(fixed_name, FixedLength(best_k))
+        combinations.insert(0, (draft_name, fixed_name))
+        head = heads.get(draft_name)
+        if head is None:
+            continue
+        candidates = head_policy_grid(head, list(head_thresholds), head_score_newest, head_min_draft_length)
+        best, per_h = select_policy(target, draft, candidates, **selection)
+        choices[draft_name].update(best_head=f"{draft_name}_{best}", tokens_per_second_by_head=per_h)
+        for name, policy in candidates.items():
+            all_policies[f"{draft_name}_{name}"] = policy
+            combinations.append((draft_name, f"{draft_name}_{name}"))
+    order = list(drafts)
+    combinations.sort(key=lambda c: order.index(c[0]))  # stable: per draft fixed K, given policies, head grid
+
+    report = evaluate_policies(
+        target, drafts, all_policies, test_prompts, score_fn, combinations=combinations, repeats=repeats,
+        task_metric_name=task_metric_name, split=split, **common,
+    )  # fmt: skip
+    ratios = policy_ratios(report, choices)
+    report.settings["selection"] = {"split": selection_split, **choices}
+    report.settings["ratios"] = ratios
+    table = format_table(report) + "\n" + format_ratios(choices, ratios)
+    return EvaluationResult(report, choices, ratios, table)
