@@ -2,7 +2,7 @@
 
     python train.py                                   # the embedded default pipeline on CPU
     python train.py stage=sft task=gsm8k models=pythia_31m_to_1.4b trainer=gpu
-    python train.py -m stage=adaspec adaspec.k=0.2,0.4,0.8
+    python train.py -m stage=adaspec adaspec.reference=<distill_run>/export adaspec.k=0.2,0.4,0.8
 
 Compose `conf/train.yaml`, run the selected stage, return the metric a sweeper optimises, and always close the
 logger so that one failed job does not break a sweep.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import hydra
 from hydra.utils import instantiate
@@ -21,9 +22,11 @@ log = logging.getLogger(__name__)
 
 
 def run_stage(cfg: DictConfig) -> dict:
-    """Run the stage that `cfg.stage` names and return its result dictionary."""
+    """Run the stage that `cfg.stage` names, in the Hydra run directory, and return its result dictionary."""
+    out_dir = Path(cfg.paths.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return instantiate(cfg.stage.run)(cfg)
+        return instantiate(cfg.stage.run)(cfg, out_dir=out_dir)
     finally:
         close_loggers()
 

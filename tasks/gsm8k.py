@@ -1,4 +1,4 @@
-"""GSM8K (openai/gsm8k, config `main`) with AdaSPEC's prompt and answer format (METHODS section 1)."""
+"""GSM8K (openai/gsm8k, config `main`) with AdaSPEC's prompt and answer format (docs/METHODS.md section 1)."""
 
 from __future__ import annotations
 

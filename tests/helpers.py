@@ -26,7 +26,8 @@ TINY = [
 
 
 def stage_overrides(stage: str, steps: int = 2) -> list[str]:
-    return [f"{stage}.max_steps={steps}", f"{stage}.batch_size=8", f"{stage}.limit_val_batches=1"]
+    """A few optimizer steps of `stage`: `trainer.max_steps` from the command line wins over the stage's own block."""
+    return [f"trainer.max_steps={steps}", f"{stage}.batch_size=8", f"++{stage}.trainer.limit_val_batches=1"]
 
 
 def run_train(args: list[str], cwd: Path = ROOT, timeout: int = 600) -> subprocess.CompletedProcess:

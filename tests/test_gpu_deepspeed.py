@@ -39,10 +39,10 @@ TINY = [
 def stage_settings(stage: str, max_steps: int) -> list[str]:
     return [
         f"stage={stage}",
-        f"{stage}.max_steps={max_steps}",
-        f"{stage}.max_epochs=10",
+        f"{stage}.trainer.max_steps={max_steps}",
+        f"{stage}.trainer.max_epochs=10",
         f"{stage}.batch_size=4",
-        f"{stage}.accumulate_grad_batches=2",
+        f"{stage}.trainer.accumulate_grad_batches=2",
         f"{stage}.max_length=64",
     ]
 

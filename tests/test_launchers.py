@@ -23,7 +23,7 @@ TINY_SFT = [
     "task.max_examples.train=16",
     "task.max_examples.validation=4",
     "task.max_examples.test=4",
-    "sft.max_steps=2",
+    "sft.trainer.max_steps=2",
     "sft.batch_size=4",
     "sft.eval_examples=0",
     "sft.max_length=64",
@@ -121,7 +121,7 @@ def test_local_submitit_sweep_of_two_tiny_jobs_is_one_wandb_group(tmp_path: Path
         "hydra/launcher=local",
         *TINY_SFT,
         "logger=wandb",
-        "sft.lr=1e-4,1e-3",
+        "sft.optimizer.lr=1e-4,1e-3",
         f"hydra.sweep.dir={sweep}",
     ]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
@@ -133,6 +133,6 @@ def test_local_submitit_sweep_of_two_tiny_jobs_is_one_wandb_group(tmp_path: Path
     assert (sweep / "sweep_results.csv").exists() is False  # only the CLI writes it
     runs = [read_offline_run(next((sweep / row["job"] / "wandb").glob("offline-run-*"))) for row in rows]
     assert {run["run"]["group"] for run in runs} == {"sweep"}
-    assert all("sft.lr=" in run["run"]["name"] for run in runs)
+    assert all("sft.optimizer.lr=" in run["run"]["name"] for run in runs)
     assert all(any("train/loss" in h for h in run["history"]) for run in runs)
     assert runs[0]["config"]["sft"]["lr"] == pytest.approx(1e-4)

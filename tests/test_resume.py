@@ -44,19 +44,25 @@ def test_run_directory_of_another_run_is_refused_with_the_fix(tmp_path: Path) ->
     assert (tmp_path / FINGERPRINT_FILE).is_file()
     check_run_dir(tmp_path, first)  # the same run resumes
     # where it runs, on what hardware and for how long may change on resume
-    # ... and so may the settings of other stages
+    # ... and so may the trainer settings typed on the command line
     same = run_fingerprint(
-        composed("stage=distill", "trainer=ddp", "distill.max_steps=99", "logger=wandb", "sft.lr=1e-3")
+        composed(
+            "stage=distill",
+            "trainer=ddp",
+            "distill.trainer.max_steps=99",
+            "logger=wandb",
+            "trainer.max_epochs=7",
+        )
     )
     check_run_dir(tmp_path, same)
-    other = run_fingerprint(composed("stage=distill", "distill.lr=1e-3"))
-    with pytest.raises(ValueError, match=r"distill\.lr.*hydra\.run\.dir"):
+    other = run_fingerprint(composed("stage=distill", "distill.optimizer.lr=1e-3"))
+    with pytest.raises(ValueError, match=r"distill\.optimizer\.lr.*hydra\.run\.dir"):
         check_run_dir(tmp_path, other)
 
 
 def test_models_fingerprint_changes_only_with_the_models() -> None:
     base = run_fingerprint(composed("stage=distill"))
-    assert run_fingerprint(composed("stage=distill", "distill.lr=1e-3"))["models"] == base["models"]
+    assert run_fingerprint(composed("stage=distill", "distill.optimizer.lr=1e-3"))["models"] == base["models"]
     changed = run_fingerprint(composed("stage=distill", "models.draft.config.hidden_size=48"))
     assert changed["models"] != base["models"] and changed["fingerprint"] != base["fingerprint"]
 
@@ -160,10 +166,10 @@ TINY_DISTILL = [
     "task.max_examples.train=32",
     "task.max_examples.validation=4",
     "task.max_examples.test=4",
-    "distill.max_steps=4",
-    "distill.max_epochs=10",
+    "distill.trainer.max_steps=4",
+    "distill.trainer.max_epochs=10",
     "distill.batch_size=4",
-    "distill.accumulate_grad_batches=2",
+    "distill.trainer.accumulate_grad_batches=2",
     "distill.max_length=64",
     "models.target.config.hidden_size=32",
     "models.target.config.intermediate_size=64",
@@ -192,7 +198,7 @@ def draft_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     run_dir = tmp_path_factory.mktemp("uninterrupted")
-    done = train(run_dir, "distill.max_steps=6")
+    done = train(run_dir, "distill.trainer.max_steps=6")
     assert done.returncode == 0, done.stderr[-3000:]
     return draft_weights(run_dir)
 
@@ -205,24 +211,24 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 
 @pytest.mark.slow
 def test_killed_run_resumes_to_the_same_draft_weights(tmp_path: Path, uninterrupted) -> None:
-    killed = train(tmp_path, "distill.max_steps=6", signal_at=4)  # at the epoch boundary
+    killed = train(tmp_path, "distill.trainer.max_steps=6", signal_at=4)  # at the epoch boundary
     assert killed.returncode == PREEMPTED_EXIT_CODE, killed.stderr[-3000:]
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file() and not (tmp_path / "export").exists()
 
-    resumed = train(tmp_path, "distill.max_steps=6")
+    resumed = train(tmp_path, "distill.trainer.max_steps=6")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stderr + resumed.stdout
     assert_same_weights(draft_weights(tmp_path), uninterrupted)
 
-    other = train(tmp_path, "distill.max_steps=6", "distill.lr=1e-2")
+    other = train(tmp_path, "distill.trainer.max_steps=6", "distill.optimizer.lr=1e-2")
     assert other.returncode != 0
     assert "hydra.run.dir" in other.stderr + other.stdout
 
 
 @pytest.mark.slow
 def test_run_killed_mid_epoch_resumes_to_the_same_draft_weights(tmp_path: Path, uninterrupted) -> None:
-    killed = train(tmp_path, "distill.max_steps=6", signal_at=2)
+    killed = train(tmp_path, "distill.trainer.max_steps=6", signal_at=2)
     assert killed.returncode == PREEMPTED_EXIT_CODE, killed.stderr[-3000:]
-    resumed = train(tmp_path, "distill.max_steps=6")
+    resumed = train(tmp_path, "distill.trainer.max_steps=6")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_weights(draft_weights(tmp_path), uninterrupted)

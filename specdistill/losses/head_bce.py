@@ -1,4 +1,4 @@
-"""Acceptance-head loss and validation metrics (METHODS.md section 4), as pure functions on flat tensors.
+"""Acceptance-head loss and validation metrics (docs/METHODS.md section 4), as pure functions on flat tensors.
 
 Every function takes `logits: (N,)` acceptance logits of the head and `labels: (N,)` soft labels
 `a = min(1, p(Y)/q(Y))` in [0, 1], and computes in fp32. The positive class of the head is *acceptance*; the AUROC is

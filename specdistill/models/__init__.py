@@ -1,5 +1,5 @@
 from specdistill.models.frozen import Frozen
-from specdistill.models.loading import ModelSpec, count_parameters, freeze, load_model
+from specdistill.models.loading import ModelSpec, freeze, load_model
 from specdistill.models.vocab import (
     VocabularyMismatchError,
     check_model_covers_vocab,
@@ -13,7 +13,6 @@ __all__ = [
     "VocabularyMismatchError",
     "check_model_covers_vocab",
     "check_same_tokenizer",
-    "count_parameters",
     "freeze",
     "load_model",
     "real_vocab_size",

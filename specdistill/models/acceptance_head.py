@@ -1,6 +1,6 @@
 """SpecDec++ acceptance head: predicts, from the draft's last hidden state, whether the target accepts a token.
 
-METHODS.md section 4: D residual blocks `x + SiLU(W x)` (each block with its own weights; the public code reuses one
+docs/METHODS.md section 4: D residual blocks `x + SiLU(W x)` (each block with its own weights; the public code reuses one
 block D times by accident) followed by a linear layer to one logit.
 
 Two inputs (`AcceptanceHead.input`):

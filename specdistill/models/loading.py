@@ -112,7 +112,3 @@ def freeze(model: torch.nn.Module) -> torch.nn.Module:
     model.eval()
     model.requires_grad_(False)
     return model
-
-
-def count_parameters(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())

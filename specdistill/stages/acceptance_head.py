@@ -1,7 +1,7 @@
 """Stage `acceptance_head`: train a SpecDec++ acceptance head per draft on its labelled rollouts.
 
-The draft stays frozen; the head reads its last hidden state on the mixed sequence (METHODS.md section 4). Each
-head is saved as a small directory (`head_config.json` + `model.safetensors`) under `<run>/<draft name>/export`.
+The draft stays frozen; the head reads its last hidden state (docs/METHODS.md section 4). Each head is saved as a
+small directory (`head_config.json` + `model.safetensors`) under `<out_dir>/<draft name>/export`.
 """
 
 from __future__ import annotations
@@ -12,27 +12,25 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from specdistill.decoding.sampling import SamplingConfig
+from specdistill.head_data import RolloutDataModule, build_hidden_cache
 from specdistill.modules.acceptance_head import AcceptanceHeadModule
-from specdistill.rollout.data import RolloutDataModule
-from specdistill.rollout.hidden_cache import build_hidden_cache
 from specdistill.rollout.storage import read_settings
-from specdistill.stages.common import (
+from specdistill.stages.build import (
     build_trainer,
     fit,
     load_models,
     logged_metrics,
     named_drafts,
     seed_everything,
-    stage_dir,
+    trainer_config,
     write_result,
 )
 
 VAL_METRICS = ["val/head_bce", "val/binary_kl", "val/auroc_rejection", "val/ece"]
 
 
-def run(cfg: DictConfig) -> dict:
+def run(cfg: DictConfig, out_dir: Path) -> dict:
     settings = cfg.acceptance_head
-    head_cfg = cfg.head
     rollouts = settings.rollouts or {}
     if not rollouts:
         raise ValueError(
@@ -43,30 +41,31 @@ def run(cfg: DictConfig) -> dict:
     missing = set(rollouts) - set(drafts)
     if missing:
         raise ValueError(
-            f"acceptance_head.rollouts names drafts without a path in acceptance_head.drafts: {sorted(missing)}"
+            f"acceptance_head.rollouts names drafts without a path in acceptance_head.drafts: {sorted(missing)} "
+            "(+acceptance_head.drafts.<draft>=<draft export directory>)"
         )
-    out_dir = stage_dir(cfg, "acceptance_head")
+    trainer_cfg = trainer_config(cfg, "acceptance_head")
     tokenizer, models, _ = load_models(cfg, {name: drafts[name] for name in rollouts})
     result: dict = {"stage": "acceptance_head", "heads": {}}
     for name, rollout_dir in rollouts.items():
         seed_everything(cfg)
         draft = models[name]
-        run_dir = Path(out_dir) / name
-        head = instantiate(head_cfg.model, hidden_size=draft.config.hidden_size)
+        run_dir = out_dir / name
+        head = instantiate(settings.model, hidden_size=draft.config.hidden_size)
         # a proposer head reads the draft's distribution the way decoding will: the rollouts' sampling settings
         sampling = SamplingConfig(**read_settings(rollout_dir)["sampling"])
         hidden_cache = None
-        if head_cfg.cache_hidden_states:
+        if settings.cache_hidden_states:
             hidden_cache = run_dir / "hidden_cache"
             build_hidden_cache(
-                draft, rollout_dir, hidden_cache, mixing_ratio=head_cfg.mixing_ratio, seed=cfg.seed,
-                batch_size=settings.batch_size, pad_token_id=tokenizer.pad_token_id, dtype=head_cfg.hidden_cache_dtype,
-                head_input=head.input, sampling=sampling,
+                draft, rollout_dir, hidden_cache, mixing_ratio=settings.mixing_ratio, seed=cfg.seed,
+                batch_size=settings.batch_size, pad_token_id=tokenizer.pad_token_id,
+                dtype=settings.hidden_cache_dtype, head_input=head.input, sampling=sampling,
             )  # fmt: skip
         datamodule = RolloutDataModule(
             rollout_dir=str(rollout_dir),
             batch_size=settings.batch_size,
-            mixing_ratio=head_cfg.mixing_ratio,
+            mixing_ratio=settings.mixing_ratio,
             val_fraction=settings.val_fraction,
             seed=cfg.seed,
             pad_token_id=tokenizer.pad_token_id,
@@ -76,15 +75,15 @@ def run(cfg: DictConfig) -> dict:
         module = AcceptanceHeadModule(
             head=head,
             draft=None if hidden_cache else draft,
-            optimizer=instantiate(cfg.optimizer, lr=settings.lr),
+            optimizer=instantiate(settings.optimizer),
             scheduler=instantiate(settings.scheduler),
-            w_acc=head_cfg.w_acc,
-            w_rej=head_cfg.w_rej,
+            w_acc=settings.w_acc,
+            w_rej=settings.w_rej,
             cache_hidden_states=hidden_cache is not None,
-            reliability_bins=head_cfg.reliability_bins,
+            reliability_bins=settings.reliability_bins,
             sampling=sampling,
         )
-        trainer = build_trainer(cfg, run_dir, settings)
+        trainer = build_trainer(cfg, "acceptance_head", run_dir, trainer_cfg)
         fit(trainer, module, datamodule)
         trainer.validate(module, datamodule=datamodule, verbose=False)
         export = run_dir / "export"

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import lightning as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig
+from transformers import PreTrainedTokenizerBase
 
+from specdistill.data.datamodule import TaskDataModule
 from specdistill.modules.distill import DistillModule
-from specdistill.stages.common import (
-    build_datamodule,
+from specdistill.stages.build import (
     build_trainer,
     export_trained,
     fit,
@@ -16,36 +20,43 @@ from specdistill.stages.common import (
     model_spec,
     restore_best,
     seed_everything,
-    stage_dir,
+    trainer_config,
+    training_datamodule,
     write_result,
 )
 
 VAL_METRICS = ["val/kl", "val/expected_acceptance"]
 
 
-def run(cfg: DictConfig) -> dict:
+def run(cfg: DictConfig, out_dir: Path) -> dict:
     settings = cfg.distill
-    out_dir = stage_dir(cfg, "distill")
+    trainer_cfg = trainer_config(cfg, "distill")
     seed_everything(cfg)
     specs = {"target": model_spec(cfg.models.target), "draft": model_spec(cfg.models.draft)}
     tokenizer, models, vocab_size = load_models(cfg, specs)
-    datamodule = build_datamodule(cfg, tokenizer, settings)
+    datamodule = training_datamodule(cfg, tokenizer, settings, trainer_cfg)
     module = DistillModule(
         draft=models["draft"],
         target=models["target"],
         vocab_size=vocab_size,
         divergence=instantiate(cfg.divergence),
-        optimizer=instantiate(cfg.optimizer, lr=settings.lr),
-        scheduler=instantiate(cfg.scheduler),
-        accumulate_grad_batches=settings.accumulate_grad_batches,
+        optimizer=instantiate(settings.optimizer),
+        scheduler=instantiate(settings.scheduler),
     )
-    trainer = build_trainer(cfg, out_dir, settings)
+    trainer = build_trainer(cfg, "distill", out_dir, trainer_cfg, select_best=settings.select_best)
     metadata = {"stage": "distill", "task": cfg.task.name}
     trained = train_and_export(trainer, module, datamodule, tokenizer, out_dir, metadata)
     return write_result(out_dir, {"stage": "distill", **trained})
 
 
-def train_and_export(trainer, module: DistillModule, datamodule, tokenizer, out_dir, metadata: dict) -> dict:
+def train_and_export(
+    trainer: L.Trainer,
+    module: DistillModule,
+    datamodule: TaskDataModule,
+    tokenizer: PreTrainedTokenizerBase,
+    out_dir: Path,
+    metadata: dict,
+) -> dict:
     """Validate, fit (resuming if a checkpoint exists), keep the best epoch if asked, validate again, export the draft.
 
     Returns the validation metrics before (`<name>_before`) and after training, and the export path.
@@ -58,6 +69,6 @@ def train_and_export(trainer, module: DistillModule, datamodule, tokenizer, out_
     return {**before, **after, "export": str(export)}
 
 
-def validate(trainer, module, datamodule) -> dict[str, float]:
+def validate(trainer: L.Trainer, module: DistillModule, datamodule: TaskDataModule) -> dict[str, float]:
     trainer.validate(module, datamodule=datamodule, verbose=False)
     return logged_metrics(trainer, VAL_METRICS)

@@ -2,8 +2,8 @@
 
 For every draft in `rollout.drafts` (name -> export path; default the pair's draft) the target samples a response to
 each training prompt, one teacher-forced draft pass samples a draft token at every position, and each gets the soft
-label min(1, p/q) under the same warping as decoding (`rollout.sampling`, by default `evaluate.sampling`).
-Rollouts are written in shards: re-launching the same run resumes where it stopped.
+label min(1, p/q) under the decoding warping (`sampling`, docs/METHODS.md section 4). Rollouts are written in shards:
+re-launching the same run resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -14,32 +14,30 @@ from omegaconf import DictConfig
 
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.rollout.run import run_rollouts
-from specdistill.stages.common import (
+from specdistill.stages.build import (
     build_datamodule,
     load_frozen_target_and_drafts,
     named_drafts,
     pick_device,
     seed_everything,
-    stage_dir,
     write_result,
 )
 
 
-def run(cfg: DictConfig) -> dict:
+def run(cfg: DictConfig, out_dir: Path) -> dict:
     settings = cfg.rollout
-    out_dir = stage_dir(cfg, "rollout")
     seed_everything(cfg)
     drafts = named_drafts(cfg, settings.drafts)
     device = pick_device(settings.device)
     tokenizer, target, models, vocab_size = load_frozen_target_and_drafts(cfg, drafts, device)
-    datamodule = build_datamodule(cfg, tokenizer, settings)
+    datamodule = build_datamodule(cfg, tokenizer, max_length=settings.max_length)
     prompts = [p["prompt_ids"] for p in datamodule.prompts(settings.split)]
     if settings.num_prompts:
         prompts = prompts[: settings.num_prompts]
-    sampling = SamplingConfig(**settings.sampling)
+    sampling = SamplingConfig(**cfg.sampling)
     rollouts, metrics = {}, {}
     for name, draft in models.items():
-        directory = Path(out_dir) / "rollouts" / name
+        directory = out_dir / "rollouts" / name
         dataset = run_rollouts(
             target, draft, prompts, directory, sampling=sampling, max_new_tokens=settings.max_new_tokens,
             batch_size=settings.batch_size, shard_size=settings.shard_size, seed=cfg.seed, vocab_size=vocab_size,

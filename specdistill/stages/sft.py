@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from specdistill.evaluation.generation import greedy_texts, task_metric
 from specdistill.modules.sft import SFTModule
-from specdistill.stages.common import (
-    build_datamodule,
+from specdistill.stages.build import (
     build_trainer,
     export_trained,
     fit,
@@ -15,25 +17,24 @@ from specdistill.stages.common import (
     logged_metrics,
     model_spec,
     seed_everything,
-    stage_dir,
+    trainer_config,
+    training_datamodule,
     write_result,
 )
-from specdistill.stages.generation import greedy_texts, task_metric
 
 
-def run(cfg: DictConfig) -> dict:
+def run(cfg: DictConfig, out_dir: Path) -> dict:
     settings = cfg.sft
-    out_dir = stage_dir(cfg, "sft")
+    trainer_cfg = trainer_config(cfg, "sft")
     seed_everything(cfg)
     tokenizer, models, _ = load_models(cfg, {"target": model_spec(cfg.models.target)})
-    datamodule = build_datamodule(cfg, tokenizer, settings)
+    datamodule = training_datamodule(cfg, tokenizer, settings, trainer_cfg)
     module = SFTModule(
         model=models["target"],
-        optimizer=instantiate(cfg.optimizer, lr=settings.lr),
+        optimizer=instantiate(settings.optimizer),
         scheduler=instantiate(settings.scheduler),
-        accumulate_grad_batches=settings.accumulate_grad_batches,
     )
-    trainer = build_trainer(cfg, out_dir, settings)
+    trainer = build_trainer(cfg, "sft", out_dir, trainer_cfg)
     fit(trainer, module, datamodule)
     trainer.validate(module, datamodule=datamodule, verbose=False)
     result = {"stage": "sft", **logged_metrics(trainer, ["val/loss"])}

@@ -40,7 +40,7 @@ FINGERPRINT_FILE = "run_fingerprint.json"
 # What identifies a training run: the stage, its settings group (conf/<stage>/) and the groups that shape training.
 # Other groups (other stages' settings, where it runs and logs, on what hardware) may change between a run and its
 # resume, and so may how long it trains and how it is evaluated (leaf keys below).
-FINGERPRINT_KEYS = ("seed", "models", "task", "optimizer", "scheduler", "divergence", "selector")
+FINGERPRINT_KEYS = ("seed", "models", "task", "divergence", "selector")
 RESUMABLE_LEAF_KEYS = frozenset(
     {"max_steps", "max_epochs", "val_check_interval", "limit_val_batches", "eval_batch_size", "eval_examples",
      "eval_max_new_tokens"}
@@ -273,13 +273,12 @@ class RunFingerprint(L.Callback):
             )
 
 
-def scaleout_callbacks(cfg: DictConfig, out_dir: str | Path) -> list[L.Callback]:
+def scaleout_callbacks(cfg: DictConfig, out_dir: str | Path, stage: str) -> list[L.Callback]:
     """Callbacks every training stage gets: fingerprints (checked now) and checkpoint-on-signal.
 
-    Checks `out_dir` against this run's fingerprint first (raises ValueError for another run's directory).
+    Checks `out_dir` against this run's fingerprint (`stage` names the settings group that counts) first; raises
+    ValueError for another run's directory.
     """
-    # a pipeline runs each stage in <run_dir>/<stage> (specdistill.stages.common.stage_dir)
-    stage = Path(out_dir).name if OmegaConf.select(cfg, "stage.name") == "pipeline" else None
     fingerprint = run_fingerprint(cfg, stage)
     check_run_dir(out_dir, fingerprint)
     callbacks: list[L.Callback] = []

@@ -225,9 +225,3 @@ def full_weights(model: torch.nn.Module, trainer: Any) -> Iterator[torch.nn.Modu
 
     with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
         yield model
-
-
-def checkpoint_exists(path: str | Path) -> bool:
-    """True for a checkpoint file (DDP, single device) or a checkpoint directory (DeepSpeed)."""
-    path = Path(path)
-    return path.is_file() or (path.is_dir() and any(path.iterdir()))

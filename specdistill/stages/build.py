@@ -1,4 +1,8 @@
-"""Pieces every stage shares: tokenizer and models with vocabulary checks, data module, trainer, results."""
+"""What every stage builds from its config: tokenizer and models (vocabulary-checked), data module, Trainer, results.
+
+A stage is `run(cfg, out_dir) -> dict`: it reads its own settings group (`cfg.<stage>`), the pair (`cfg.models`), the
+task, the trainer, the logger, and writes into `out_dir` (the run directory, or `<run_dir>/<step>` in a pipeline).
+"""
 
 from __future__ import annotations
 
@@ -9,22 +13,24 @@ from typing import Any
 
 import lightning as L
 import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from specdistill.models import ModelSpec, check_model_covers_vocab, check_same_tokenizer, load_model
+from specdistill.data.datamodule import TaskDataModule
+from specdistill.export.hf import export_pretrained
+from specdistill.models import ModelSpec, check_model_covers_vocab, check_same_tokenizer, freeze, load_model
 from specdistill.models.tokenizer import ensure_pad_token, load_tokenizer
+from specdistill.utils.cluster import scaleout_callbacks
+from specdistill.utils.strategy import check_devices, full_weights
+from specdistill.utils.wandb_logger import log_export
 
 log = logging.getLogger(__name__)
 
-
-def stage_dir(cfg: DictConfig, name: str) -> Path:
-    """The directory a stage writes into: the Hydra run directory, or a sub-directory per stage in a pipeline."""
-    root = Path(cfg.paths.output_dir)
-    out = root / name if cfg.get("stage", {}).get("name") == "pipeline" else root
-    out.mkdir(parents=True, exist_ok=True)
-    return out
+# -- models ---------------------------------------------------------------------------------------------------------
 
 
 def model_spec(node: DictConfig | ModelSpec) -> ModelSpec:
@@ -66,7 +72,7 @@ def named_drafts(cfg: DictConfig, paths: DictConfig | None) -> dict[str, ModelSp
     """`paths` (draft name -> export directory) as model specs, or the pair's draft (`draft`) when none is given."""
     if not paths:
         return {"draft": model_spec(cfg.models.draft)}
-    dtype = cfg.models.draft.dtype
+    dtype = cfg.models.draft.get("dtype", "float32")
     return {name: ModelSpec(pretrained_model_name_or_path=path, dtype=dtype) for name, path in paths.items()}
 
 
@@ -82,8 +88,6 @@ def load_frozen_target_and_drafts(
 ) -> tuple[PreTrainedTokenizerBase, PreTrainedModel, dict[str, PreTrainedModel], int]:
     """For stages without training (rollout, evaluate): `(tokenizer, target, drafts, vocab_size)`, all frozen on
     `device`, after the same tokenizer checks as every other stage."""
-    from specdistill.models import freeze
-
     tokenizer, models, vocab_size = load_models(cfg, {"target": model_spec(cfg.models.target), **drafts})
     for model in models.values():
         freeze(model).to(device)
@@ -91,34 +95,83 @@ def load_frozen_target_and_drafts(
     return tokenizer, target, models, vocab_size
 
 
-def build_datamodule(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, settings: DictConfig):
-    from specdistill.data.datamodule import TaskDataModule
+# -- data -----------------------------------------------------------------------------------------------------------
 
-    task = instantiate(cfg.task)
+
+def build_datamodule(
+    cfg: DictConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    batch_size: int = 1,
+    eval_batch_size: int | None = None,
+    accumulate_grad_batches: int = 1,
+) -> TaskDataModule:
+    """The task's data module; stages that only read prompts (rollout, evaluate) leave the batch sizes at 1."""
     return TaskDataModule(
-        task=task,
+        task=instantiate(cfg.task),
         tokenizer=tokenizer,
-        max_length=settings.max_length,
-        batch_size=settings.batch_size,
-        eval_batch_size=settings.get("eval_batch_size") or settings.batch_size,
-        accumulate_grad_batches=settings.accumulate_grad_batches,
+        max_length=max_length,
+        batch_size=batch_size,
+        eval_batch_size=eval_batch_size or batch_size,
+        accumulate_grad_batches=accumulate_grad_batches,
         seed=cfg.seed,
     )
 
 
+def training_datamodule(
+    cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, settings: DictConfig, trainer_cfg: DictConfig
+) -> TaskDataModule:
+    """The data module of a training stage: its batch sizes and length, the Trainer's gradient accumulation."""
+    return build_datamodule(
+        cfg,
+        tokenizer,
+        max_length=settings.max_length,
+        batch_size=settings.batch_size,
+        eval_batch_size=settings.get("eval_batch_size"),
+        accumulate_grad_batches=trainer_cfg.get("accumulate_grad_batches", 1),
+    )
+
+
+# -- trainer --------------------------------------------------------------------------------------------------------
+
+
+def command_line_trainer_keys() -> list[str]:
+    """The `trainer.<key>` settings given as overrides on the command line (or by a sweep) of this Hydra job."""
+    if not HydraConfig.initialized():
+        return []
+    overrides = OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task))
+    return [o.key_or_group for o in overrides if o.key_or_group.startswith("trainer.") and not o.is_delete()]
+
+
+def trainer_config(cfg: DictConfig, stage: str) -> DictConfig:
+    """`cfg.trainer` with the stage's own `trainer:` block merged in, then the command line's `trainer.*` on top.
+
+    The one place where a stage's trainer values (e.g. `sft.trainer.max_steps`) meet the trainer preset: a value a
+    user types (`trainer.max_steps=7`) reaches the Lightning Trainer of every stage.
+    """
+    # merged into a fresh (non-struct) node, so a stage block may add keys the preset does not list
+    merged = OmegaConf.merge(OmegaConf.create(), cfg.trainer, cfg[stage].get("trainer") or {})
+    for key in command_line_trainer_keys():
+        OmegaConf.update(merged, key.removeprefix("trainer."), OmegaConf.select(cfg, key), force_add=True)
+    return merged
+
+
 def build_trainer(
-    cfg: DictConfig, out_dir: Path, settings: DictConfig, callbacks: list[L.Callback] | None = None
+    cfg: DictConfig,
+    stage: str,
+    out_dir: Path,
+    trainer_cfg: DictConfig,
+    callbacks: list[L.Callback] | None = None,
+    select_best: str | None = None,
 ) -> L.Trainer:
-    """A Lightning Trainer from `conf/trainer`, writing logs and checkpoints under `out_dir`."""
-    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+    """A Lightning Trainer from `trainer_cfg` (see `trainer_config`), writing logs and checkpoints under `out_dir`.
 
-    # scale-out (specdistill/utils/cluster.py, strategy.py): fail early on missing GPUs/nodes or another run's
-    # directory; checkpoint every N optimizer steps if asked, and on the cluster's requeue signal.
-    from specdistill.utils.cluster import scaleout_callbacks
-    from specdistill.utils.strategy import check_devices
-
-    check_devices(cfg.trainer)
-    scaleout = scaleout_callbacks(cfg, out_dir)
+    Fails early on missing GPUs/nodes or another run's directory (specdistill/utils/cluster.py, strategy.py); saves
+    `checkpoints/last.ckpt` every `checkpoint_every_n_steps` optimizer steps if asked, and on the cluster's signal.
+    `select_best` (a validation metric, higher is better) also keeps `checkpoints/best.ckpt`: the optimal-epoch regime.
+    """
+    check_devices(trainer_cfg)
+    scaleout = scaleout_callbacks(cfg, out_dir, stage)
     logger = instantiate(cfg.logger, save_dir=str(out_dir)) if cfg.get("logger") else False
     checkpoint = ModelCheckpoint(
         dirpath=out_dir / "checkpoints",
@@ -129,42 +182,15 @@ def build_trainer(
     # the schedule each optimizer step used, next to the losses (`lr-<Optimizer>` in CSV and W&B)
     lr_monitor = [LearningRateMonitor(logging_interval="step")] if logger else []
     best = []
-    if settings.get("select_best"):
-        # the "optimal-epoch" regime: keep the checkpoint with the best validation metric and export that one
-        best = [ModelCheckpoint(dirpath=out_dir / "checkpoints", filename="best", monitor=settings.select_best,
-                                mode=settings.get("select_best_mode", "max"), save_top_k=1)]  # fmt: skip
+    if select_best:
+        best = [ModelCheckpoint(dirpath=out_dir / "checkpoints", filename="best", monitor=select_best, mode="max",
+                                save_top_k=1)]  # fmt: skip
     return instantiate(
-        cfg.trainer,
+        trainer_cfg,
         default_root_dir=str(out_dir),
         logger=logger,
         callbacks=[checkpoint, *best, *lr_monitor, *scaleout, *(callbacks or [])],
-        max_epochs=settings.max_epochs,
-        max_steps=settings.max_steps,
-        accumulate_grad_batches=settings.accumulate_grad_batches,
-        val_check_interval=settings.get("val_check_interval"),
-        limit_val_batches=settings.get("limit_val_batches"),
     )
-
-
-def export_trained(
-    trainer: L.Trainer,
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    out_dir: Path,
-    metadata: dict[str, Any],
-) -> Path:
-    """Write the Hugging Face export of a trained model (gathering ZeRO-3 shards first; rank 0 writes) and, when
-    the logger is W&B with `log_model`, upload it as an artifact."""
-    from specdistill.export.hf import export_pretrained
-    from specdistill.utils.strategy import full_weights
-    from specdistill.utils.wandb_logger import log_export
-
-    with full_weights(model, trainer):
-        if trainer.is_global_zero:
-            export_pretrained(model, tokenizer, out_dir, metadata)
-    trainer.strategy.barrier()
-    log_export(trainer.logger, out_dir, metadata)
-    return out_dir
 
 
 def fit(trainer: L.Trainer, module: L.LightningModule, datamodule: L.LightningDataModule) -> None:
@@ -183,8 +209,6 @@ def fit(trainer: L.Trainer, module: L.LightningModule, datamodule: L.LightningDa
 
 def restore_best(trainer: L.Trainer, module: L.LightningModule) -> str | None:
     """Load the weights of the best checkpoint (see `select_best`) into `module`; returns its path, or None."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint) and callback.monitor and callback.best_model_path:
             path = Path(callback.best_model_path)
@@ -202,6 +226,31 @@ def restore_best(trainer: L.Trainer, module: L.LightningModule) -> str | None:
     return None
 
 
+# -- outputs --------------------------------------------------------------------------------------------------------
+
+
+def export_trained(
+    trainer: L.Trainer,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    out_dir: Path,
+    metadata: dict[str, Any],
+) -> Path:
+    """Write the Hugging Face export of a trained model (gathering ZeRO-3 shards first; rank 0 writes) and, when
+    the logger is W&B with `log_model`, upload it as an artifact."""
+    with full_weights(model, trainer):
+        if trainer.is_global_zero:
+            export_pretrained(model, tokenizer, out_dir, metadata)
+    trainer.strategy.barrier()
+    log_export(trainer.logger, out_dir, metadata)
+    return out_dir
+
+
+def stage_logger(cfg: DictConfig, out_dir: Path):
+    """The configured logger, for stages without a Trainer (W&B gets the report table and plots)."""
+    return instantiate(cfg.logger, save_dir=str(out_dir)) if cfg.get("logger") else None
+
+
 def logged_metrics(trainer: L.Trainer, names: list[str]) -> dict[str, float]:
     metrics = trainer.callback_metrics
     return {name: float(metrics[name]) for name in names if name in metrics}
@@ -210,10 +259,6 @@ def logged_metrics(trainer: L.Trainer, names: list[str]) -> dict[str, float]:
 def write_result(out_dir: Path, result: dict[str, Any]) -> dict[str, Any]:
     (out_dir / "result.json").write_text(json.dumps(result, indent=2, default=str))
     return result
-
-
-def resolved(cfg: DictConfig) -> dict[str, Any]:
-    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
 
 
 def seed_everything(cfg: DictConfig) -> None:

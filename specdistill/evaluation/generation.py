@@ -1,4 +1,4 @@
-"""Batched greedy generation with Hugging Face `generate`, for task metrics of a single model."""
+"""Batched greedy generation with Hugging Face `generate`, for the task metric of a single model (the sft stage)."""
 
 from __future__ import annotations
 
