@@ -32,17 +32,17 @@ TINY = [
     "models.draft.config.num_attention_heads=2",
     "trainer.devices=1",
     "+trainer.enable_progress_bar=false",
-    "+checkpoint_every_n_steps=1",
+    "checkpoint_every_n_steps=1",
 ]
 
 
 def stage_settings(stage: str, max_steps: int) -> list[str]:
     return [
         f"stage={stage}",
-        f"{stage}.trainer.max_steps={max_steps}",
-        f"{stage}.trainer.max_epochs=10",
+        f"trainer.max_steps={max_steps}",
+        "trainer.max_epochs=10",
         f"{stage}.batch_size=4",
-        f"{stage}.trainer.accumulate_grad_batches=2",
+        "trainer.accumulate_grad_batches=2",
         f"{stage}.max_length=64",
     ]
 

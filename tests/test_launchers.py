@@ -128,11 +128,11 @@ def test_local_submitit_sweep_of_two_tiny_jobs_is_one_wandb_group(tmp_path: Path
     assert done.returncode == 0, done.stderr[-3000:]
 
     rows = collect(sweep)
-    assert [(row["sft.lr"], row["status"]) for row in rows] == [("0.0001", "done"), ("0.001", "done")]
+    assert [(row["sft.optimizer.lr"], row["status"]) for row in rows] == [("0.0001", "done"), ("0.001", "done")]
     assert all(isinstance(row["val/loss"], float) for row in rows)
     assert (sweep / "sweep_results.csv").exists() is False  # only the CLI writes it
     runs = [read_offline_run(next((sweep / row["job"] / "wandb").glob("offline-run-*"))) for row in rows]
     assert {run["run"]["group"] for run in runs} == {"sweep"}
     assert all("sft.optimizer.lr=" in run["run"]["name"] for run in runs)
     assert all(any("train/loss" in h for h in run["history"]) for run in runs)
-    assert runs[0]["config"]["sft"]["lr"] == pytest.approx(1e-4)
+    assert runs[0]["config"]["sft"]["optimizer"]["lr"] == pytest.approx(1e-4)
