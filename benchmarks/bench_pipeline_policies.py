@@ -11,8 +11,8 @@ Inputs, all from the run directory `DIR` written by `python train.py`: the targe
 `DIR/distill/export` (distillspec) and `DIR/adaspec/export` (adaspec), their acceptance heads
 `DIR/acceptance_head/<draft>/export`, and the resolved config `DIR/.hydra/config.yaml`, from which the task's prompts
 are tokenised as the pipeline's evaluate stage does (`build_datamodule(cfg, tokenizer, max_length)`,
-`datamodule.prompts(split)`); the training-free policies are the run's `evaluate.policies` (heuristic, confidence
-and oracle with their defaults when the run configures none).
+`datamodule.prompts(split)`); the training-free policies are the run's `evaluate.policies` (heuristic, confidence,
+entropy and oracle by default).
 
 The measurement is the evaluate stage's own protocol, `specdistill.evaluation.protocol.evaluate_drafts`: K and h
 (with the scoring mode) are chosen by tokens/s on the first `--selection-prompts` prompts of the run's selection
@@ -43,7 +43,6 @@ import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from hydra.utils import instantiate
@@ -52,12 +51,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing; the run's task is `tasks.<name>`
 
-from specdistill.decoding.policies import (  # noqa: E402
-    ConfidenceThreshold,
-    DraftPolicy,
-    HeuristicSchedule,
-    Oracle,
-)
+from specdistill.decoding.policies import DraftPolicy  # noqa: E402
 from specdistill.decoding.sampling import SamplingConfig  # noqa: E402
 from specdistill.evaluation.protocol import EvaluationResult, evaluate_drafts  # noqa: E402
 from specdistill.evaluation.report import BASELINE_NAME  # noqa: E402
@@ -70,8 +64,6 @@ from specdistill.stages.build import (  # noqa: E402
 
 # draft name (as in the pipeline's evaluate.drafts) -> the stage directory holding its export
 DRAFT_STAGES = {"distillspec": "distill", "adaspec": "adaspec"}
-# the training-free policies when the run configures none
-DEFAULT_POLICIES = {"heuristic": HeuristicSchedule, "confidence": ConfidenceThreshold, "oracle": Oracle}
 GOAL_VS_FIXED = 1.07
 GOAL_VS_ORACLE = 0.90
 
@@ -110,11 +102,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--max-draft-length",
-        "--head-max-draft-length",
-        dest="max_draft_length",
         type=int,
         default=None,
-        help="the engine's most candidates per round, for every policy (default: the run's, else 20)",
+        help="the engine's most candidates per round, for every policy (default: the run's)",
     )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default) decodes greedily")
     parser.add_argument("--seed", type=int, default=None, help="default: the run's")
@@ -135,16 +125,14 @@ def load_run_config(run: Path) -> DictConfig:
     path = run / ".hydra" / "config.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: --run must be a directory written by `python train.py`.")
-    return OmegaConf.load(path)
-
-
-def run_setting(cfg: DictConfig, keys: Sequence[str], default: Any = None) -> Any:
-    """The first of `keys` (dotted paths) set in the run's config, else `default` (runs of older layouts differ)."""
-    for key in keys:
-        value = OmegaConf.select(cfg, key, default=None)
-        if value is not None:
-            return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-    return default
+    cfg = OmegaConf.load(path)
+    if OmegaConf.select(cfg, "evaluate.acceptance_head.thresholds") is None:
+        raise ValueError(
+            f"{run} was written by a specdistill before the configuration redesign (no evaluate.acceptance_head); "
+            "re-run the pipeline with this version, or pass --thresholds, --fixed-lengths, --selection-prompts, "
+            "--head-min-draft-length, --max-draft-length and --seed"
+        )
+    return cfg
 
 
 def run_paths(run: Path, drafts: Sequence[str]) -> tuple[Path, dict[str, Path], dict[str, Path]]:
@@ -162,37 +150,25 @@ def run_paths(run: Path, drafts: Sequence[str]) -> tuple[Path, dict[str, Path], 
 
 
 def run_policies(cfg: DictConfig) -> dict[str, DraftPolicy]:
-    """The run's `evaluate.policies`, built. A run written before the engine owned the bound carries
-    `max_draft_length` in its policy nodes: it is dropped (the engine's `--max-draft-length` applies)."""
-    nodes = OmegaConf.select(cfg, "evaluate.policies", default=None)
-    if not nodes:
-        return {name: cls() for name, cls in DEFAULT_POLICIES.items()}
-    policies = {}
-    for name, node in nodes.items():
-        node = OmegaConf.to_container(node)
-        node.pop("max_draft_length", None)
-        policies[str(name)] = instantiate(node)
-    return policies
+    """The run's training-free policies (`evaluate.policies`), built as its evaluate stage built them."""
+    return {str(name): instantiate(node) for name, node in (cfg.evaluate.policies or {}).items()}
 
 
 def fill_defaults(args: argparse.Namespace, cfg: DictConfig) -> None:
-    """Settings not given on the command line come from the run's config (current layout first, then older)."""
-    ev = "evaluate"
+    """Settings not given on the command line come from the run's evaluate settings."""
+    settings = cfg.evaluate
     if args.thresholds is None:
-        args.thresholds = run_setting(cfg, [f"{ev}.acceptance_head.thresholds", f"{ev}.head_thresholds"])
+        args.thresholds = list(settings.acceptance_head.thresholds)
     if args.head_min_draft_length is None:
-        keys = [f"{ev}.acceptance_head.min_draft_length", f"{ev}.head_min_draft_length"]
-        args.head_min_draft_length = int(run_setting(cfg, keys, 2))
+        args.head_min_draft_length = int(settings.acceptance_head.min_draft_length)
     if args.max_draft_length is None:
-        args.max_draft_length = int(run_setting(cfg, [f"{ev}.max_draft_length"], 20))
+        args.max_draft_length = int(settings.max_draft_length)
     if args.fixed_lengths is None:
-        args.fixed_lengths = [int(k) for k in run_setting(cfg, [f"{ev}.fixed_lengths"])]
+        args.fixed_lengths = [int(k) for k in settings.fixed_lengths]
     if args.selection_prompts is None:
-        args.selection_prompts = int(run_setting(cfg, [f"{ev}.selection_prompts"]))
+        args.selection_prompts = int(settings.selection_prompts)
     if args.seed is None:
-        args.seed = int(run_setting(cfg, [f"{ev}.seed", "seed"], 0))
-    if args.thresholds is None:
-        raise ValueError("the run's config has no acceptance-head thresholds: pass --thresholds")
+        args.seed = int(cfg.seed)
 
 
 def print_selection(result: EvaluationResult, selection_split: str, num_prompts: int) -> None:
@@ -241,8 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     drafts = named_drafts(cfg, {d: str(p) for d, p in draft_dirs.items()})
     tokenizer, target, models, vocab = load_frozen_target_and_drafts(cfg, drafts, device)
     heads = {d: AcceptanceHead.load(p, device=device) for d, p in head_dirs.items()}
-    max_length = int(run_setting(cfg, ["evaluate.max_length"], 512))
-    datamodule = build_datamodule(cfg, tokenizer, max_length=max_length)
+    datamodule = build_datamodule(cfg, tokenizer, max_length=cfg.evaluate.max_length)
     task = datamodule.task
     selection_prompts = datamodule.prompts(selection_split)[: args.selection_prompts]
     test_prompts = datamodule.prompts(test_split)[: args.prompts]
