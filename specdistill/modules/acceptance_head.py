@@ -30,6 +30,7 @@ from specdistill.losses.head_bce import (
 )
 from specdistill.models.acceptance_head import AcceptanceHead
 from specdistill.models.frozen import Frozen
+from specdistill.modules.optimization import configure_optimization
 
 log = logging.getLogger(__name__)
 
@@ -180,11 +181,7 @@ class AcceptanceHeadModule(LightningModule):
             )  # fmt: skip
 
     def configure_optimizers(self) -> Any:
-        optimizer = self.optimizer_factory([p for p in self.head.parameters() if p.requires_grad])
-        if self.scheduler_factory is None:
-            return optimizer
-        scheduler = self.scheduler_factory(optimizer, total_steps=self.trainer.estimated_stepping_batches)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return configure_optimization(self, self.head, self.optimizer_factory, self.scheduler_factory)
 
 
 def _gather_ragged(values: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from specdistill.losses.answers import answer_logits, answer_mask
 from specdistill.losses.divergence import Divergence, expected_acceptance, forward_kl
 from specdistill.losses.reduction import reduce_tokens, window_normaliser
 from specdistill.models.frozen import Frozen
+from specdistill.modules.optimization import configure_optimization
 from specdistill.selection.base import SelectionRecord, Selector
 from specdistill.selection.reference import ReferenceScores
 
@@ -184,14 +185,7 @@ class DistillModule(LightningModule):
         log("val/expected_acceptance", expected_acceptance(target_rows, draft_rows).mean(), prog_bar=True)
 
     def configure_optimizers(self) -> Any:
-        params = [p for p in self.draft.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError("the draft has no trainable parameters; did it get frozen by mistake?")
-        optimizer = self.optimizer_factory(params)
-        if self.scheduler_factory is None:
-            return optimizer
-        scheduler = self.scheduler_factory(optimizer, total_steps=self.trainer.estimated_stepping_batches)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return configure_optimization(self, self.draft, self.optimizer_factory, self.scheduler_factory)
 
 
 def _check_reference(

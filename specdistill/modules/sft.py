@@ -9,6 +9,7 @@ import torch
 
 from specdistill.losses.answers import answer_token_cross_entropy
 from specdistill.losses.reduction import normalise_sum, window_normaliser
+from specdistill.modules.optimization import configure_optimization
 
 
 class SFTModule(L.LightningModule):
@@ -61,9 +62,4 @@ class SFTModule(L.LightningModule):
         self.log("val/loss", loss, prog_bar=True, batch_size=int(tokens), sync_dist=True)
 
     def configure_optimizers(self):
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        optimizer = self.optimizer_factory(params)
-        if self.scheduler_factory is None:
-            return optimizer
-        scheduler = self.scheduler_factory(optimizer, total_steps=self.trainer.estimated_stepping_batches)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return configure_optimization(self, self.model, self.optimizer_factory, self.scheduler_factory)
