@@ -18,6 +18,8 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+import specdistill  # noqa: F401  (registers the config resolvers, e.g. ${derive_seed:...})
+
 log = logging.getLogger(__name__)
 
 
