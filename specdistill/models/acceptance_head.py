@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from specdistill.export.hf import umask_modes
+from specdistill.models.draft_identity import draft_fingerprint
 
 CONFIG_NAME = "head_config.json"
 HEAD_INPUTS = ("candidate", "proposer")
@@ -159,32 +164,87 @@ class AcceptanceHead(nn.Module):
         return 1.0 / (1.0 + math.exp(-logit)) if logit >= 0 else math.exp(logit) / (1.0 + math.exp(logit))
 
     def config(self) -> dict[str, int | str]:
+        """The constructor's arguments (what `load` rebuilds the head from)."""
         return {"hidden_size": self.hidden_size, "num_blocks": self.num_blocks, "input": self.input}
 
-    def save(self, directory: str | Path) -> Path:
-        """Write `head_config.json` and `model.safetensors` into `directory` (created if needed); return it."""
+    def input_definition(self) -> dict[str, Any]:
+        """What the head reads, in words and widths, for anyone using an export without this code."""
+        position = (
+            "the position whose input token is the candidate (the draft must read the candidate first)"
+            if self.input == "candidate"
+            else "the position that proposed the candidate (its next-token distribution q drew it)"
+        )
+        features = [
+            "q(candidate): the draft's probability of the candidate, from the distribution it was drawn from"
+        ]
+        return {
+            "hidden_state": "the draft's last hidden state after its final norm (base_model(...).last_hidden_state)",
+            "position": position,
+            "features": features if self.uses_proposer else [],
+            "width": self.input_size,
+            "order": "hidden state, then the features, concatenated",
+        }
+
+    def save(self, directory: str | Path, draft: Mapping[str, Any] | None = None) -> Path:
+        """Write `head_config.json` and `model.safetensors` into `directory` (created if needed); return it.
+
+        `head_config.json` holds the constructor's arguments, the input definition and `draft`: the draft the head
+        was trained on (`specdistill.models.draft_identity.describe_draft`), checked again by `load`.
+        """
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / CONFIG_NAME).write_text(json.dumps(self.config(), indent=2) + "\n")
+        config = {**self.config(), "inputs": self.input_definition(), "draft": dict(draft) if draft else None}
+        (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         state = {name: tensor.detach().contiguous().cpu() for name, tensor in self.state_dict().items()}
         save_file(state, str(directory / WEIGHTS_NAME))
+        umask_modes(directory)
         return directory
 
-    @classmethod
-    def load(cls, directory: str | Path, device: torch.device | str = "cpu") -> AcceptanceHead:
-        """Rebuild a head written by `save` (safetensors only; no pickle is ever read)."""
+    @staticmethod
+    def read_config(directory: str | Path) -> dict[str, Any]:
+        """`head_config.json` of a saved head: arguments, `inputs` and `draft`."""
         directory = Path(directory)
-        config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
-        for path in (config_path, weights_path):
+        for path in (directory / CONFIG_NAME, directory / WEIGHTS_NAME):
             if not path.is_file():
                 raise FileNotFoundError(
                     f"No acceptance head at {directory}: {path.name} is missing. Point to the directory written by "
                     "AcceptanceHead.save (the acceptance_head stage's export)."
                 )
-        config = json.loads(config_path.read_text())
-        head = cls(**config)
-        head.load_state_dict(load_file(str(weights_path), device=str(device)), strict=True)
+        return json.loads((directory / CONFIG_NAME).read_text())
+
+    @classmethod
+    def load(
+        cls, directory: str | Path, device: torch.device | str = "cpu", draft: nn.Module | None = None
+    ) -> AcceptanceHead:
+        """Rebuild a head written by `save` (safetensors only; no pickle is ever read).
+
+        With `draft`, refuse a head that was trained on another draft (its recorded fingerprint differs).
+        """
+        config = cls.read_config(directory)
+        if draft is not None:
+            check_head_draft(directory, config.get("draft"), draft)
+        head = cls(**{key: config[key] for key in ("hidden_size", "num_blocks", "input")})
+        head.load_state_dict(load_file(str(Path(directory) / WEIGHTS_NAME), device=str(device)), strict=True)
         return head.to(device)
+
+
+def check_head_draft(directory: str | Path, recorded: Mapping[str, Any] | None, draft: nn.Module) -> None:
+    """Refuse to pair the head saved in `directory` with a draft other than the one it was trained on."""
+    if not recorded or "fingerprint" not in recorded:
+        raise ValueError(
+            f"The acceptance head in {directory} records no draft (saved by an older specdistill, or without "
+            "`draft=`), so it cannot be checked against the draft it is paired with: retrain it with "
+            "stage=acceptance_head."
+        )
+    found = draft_fingerprint(draft)
+    if found != recorded["fingerprint"]:
+        source = recorded.get("source") or "(built from a config)"
+        raise ValueError(
+            f"The acceptance head in {directory} was trained on the draft {source} (fingerprint "
+            f"{recorded['fingerprint'][:12]}), but it is paired with a draft whose weights differ (fingerprint "
+            f"{found[:12]}). Pair each head with its own draft (evaluate.heads.<name> and evaluate.drafts.<name>), "
+            "or train a head for this draft with stage=acceptance_head."
+        )
 
 
 def build_head_input(

@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.head_data import RolloutDataModule, build_hidden_cache
+from specdistill.models.draft_identity import describe_draft
 from specdistill.modules.acceptance_head import AcceptanceHeadModule
 from specdistill.rollout.storage import read_settings
 from specdistill.stages.build import (
@@ -88,7 +89,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         trainer.validate(module, datamodule=datamodule, verbose=False)
         export = run_dir / "export"
         if trainer.is_global_zero:
-            module.head.save(export)
+            module.head.save(export, draft=describe_draft(draft, drafts[name].pretrained_model_name_or_path))
         trainer.strategy.barrier()
         result["heads"][name] = str(export)
         result.update({f"{name}/{k}": v for k, v in logged_metrics(trainer, VAL_METRICS).items()})

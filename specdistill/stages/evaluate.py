@@ -36,7 +36,10 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         raise ValueError(f"evaluate.heads names drafts that are not evaluated: {sorted(unknown_heads)}")
     device = pick_device(settings.device)
     tokenizer, target, models, vocab_size = load_frozen_target_and_drafts(cfg, drafts, device)
-    heads = {name: AcceptanceHead.load(path, device=device) for name, path in (settings.heads or {}).items()}
+    heads = {
+        name: AcceptanceHead.load(path, device=device, draft=models[name])
+        for name, path in (settings.heads or {}).items()
+    }
     datamodule = build_datamodule(cfg, tokenizer, max_length=settings.max_length)
     task = datamodule.task
     head = settings.acceptance_head
