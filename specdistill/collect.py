@@ -30,6 +30,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from specdistill.aggregate import aggregate, column_differences, metric_columns, paired_rows
+from specdistill.utils.extras import require
 
 RESULT_FILES = ("result.json", "report.json")
 SKIP_DIRS = {".hydra", ".submitit", "checkpoints", "wandb", "csv", "export"}
@@ -221,10 +222,8 @@ def log_to_wandb(
     project: str, sweep_dir: Path, rows: Sequence[Mapping[str, Any]], summary: Sequence[Mapping[str, Any]]
 ) -> str:
     """Log the job table and the summary as W&B tables in one run named after the sweep; return the run's path."""
-    try:
-        import wandb
-    except ImportError as err:
-        raise SystemExit("--wandb needs wandb: pip install wandb") from err
+    require("wandb", "collect --wandb", "wandb")
+    import wandb
 
     def table(records: Sequence[Mapping[str, Any]]) -> wandb.Table:
         columns = columns_of(records)
@@ -317,5 +316,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The `specdistill-collect` console script."""
     raise SystemExit(main())
+
+
+if __name__ == "__main__":
+    cli()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import re
 
-from tasks.base import Record, Task
-from tasks.code_execution import CodeExecutionDisabledError, run_python
+from specdistill.tasks.base import Record, Task
+from specdistill.tasks.code_execution import CodeExecutionDisabledError, run_python
 
 _FENCE = re.compile(r"```[^\n]*\n(.*?)(?:```|$)", re.DOTALL)
 
@@ -19,7 +19,7 @@ def strip_code_fence(text: str) -> str:
 class CodeTask(Task):
     """A task scored by running generated code against the record's tests (greedy pass@1: 1.0 or 0.0 each).
 
-    Generated code runs only when the user opts in with `execute_code=true` (see `tasks.code_execution`: a
+    Generated code runs only when the user opts in with `execute_code=true` (see `specdistill.tasks.code_execution`: a
     subprocess with a timeout, not a security sandbox). Without it `scoring_available` is False, so evaluation
     reports the metric as unavailable, and `score` raises `CodeExecutionDisabledError` rather than inventing a value.
 

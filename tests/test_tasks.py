@@ -9,10 +9,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from tasks.base import TaskDataError
-from tasks.code_execution import CodeExecutionDisabledError, run_python
-from tasks.gsm8k import GSM8K
-from tasks.metrics import normalise_number, rouge_l_f
+from specdistill.tasks.base import TaskDataError
+from specdistill.tasks.code_execution import CodeExecutionDisabledError, run_python
+from specdistill.tasks.gsm8k import GSM8K
+from specdistill.tasks.metrics import normalise_number, rouge_l_f
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -23,8 +23,10 @@ def fixture_files(task: str, ext: str = "parquet") -> dict[str, str]:
 
 
 def compose_task(name: str, *overrides: str):
+    """One task config on its own; arith's seed, derived from the root `seed` in a full config, is pinned here."""
+    pinned = ["seed=0"] if name == "arith" and not any(o.startswith("seed=") for o in overrides) else []
     with initialize_config_dir(config_dir=str(ROOT / "conf" / "task"), version_base="1.3"):
-        return instantiate(compose(config_name=name, overrides=list(overrides)))
+        return instantiate(compose(config_name=name, overrides=[*pinned, *overrides]))
 
 
 # ---------------------------------------------------------------- gsm8k

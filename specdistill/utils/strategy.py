@@ -7,7 +7,6 @@ the job has fails with a message naming the fix instead of a hang or a CUDA erro
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import tempfile
@@ -18,20 +17,18 @@ from typing import Any
 
 import torch
 
-log = logging.getLogger(__name__)
+from specdistill.utils.extras import require
 
-INSTALL_HINT = (
-    "pip install deepspeed (a CUDA toolkit matching your torch build is needed to compile its kernels)"
-)
+log = logging.getLogger(__name__)
 
 
 def require_deepspeed() -> None:
     """Raise ImportError naming the install command when DeepSpeed is not importable."""
-    if importlib.util.find_spec("deepspeed") is None:
-        raise ImportError(
-            f"trainer=deepspeed_zero2/deepspeed_zero3 needs DeepSpeed, which is not installed: {INSTALL_HINT}; "
-            "or pick trainer=ddp / trainer=gpu"
-        )
+    require(
+        "deepspeed",
+        "trainer=deepspeed_zero2/deepspeed_zero3 (or pick trainer=ddp / trainer=gpu)",
+        "deepspeed",
+    )
 
 
 def deepspeed_strategy(

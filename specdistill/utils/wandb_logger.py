@@ -24,6 +24,8 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import OmegaConf
 
+from specdistill.utils.extras import require
+
 log = logging.getLogger(__name__)
 
 RUN_ID_FILE = "wandb_run_id.txt"
@@ -135,6 +137,7 @@ def wandb_logger(
         offline: True/False forces the mode; None runs offline when there is no API key (or `WANDB_MODE=offline`).
         log_config: log the job's resolved Hydra config as the run config.
     """
+    require("wandb", "logger=wandb", "wandb")
     save_dir = Path(save_dir)
     save_dir.mkdir(parents=True, exist_ok=True)
     mode = os.environ.get("WANDB_MODE", "").lower()
