@@ -16,9 +16,11 @@ import torch
 from lightning import LightningModule
 from torch import nn
 
-from specdistill.losses.answers import answer_logits, answer_mask
+from specdistill.losses.answers import answer_mask
+from specdistill.losses.chunked import rowwise
 from specdistill.losses.divergence import Divergence, expected_acceptance, forward_kl
 from specdistill.losses.reduction import reduce_tokens, window_normaliser
+from specdistill.losses.rows import HiddenRows, answer_rows
 from specdistill.models.frozen import Frozen
 from specdistill.selection.base import SelectionRecord, Selector
 from specdistill.selection.reference import ReferenceScores
@@ -117,26 +119,28 @@ class DistillModule(LightningModule):
             return 1, 1
         return self._trainer.world_size, self._trainer.accumulate_grad_batches
 
-    def _answer_logits(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Return `(answer_mask (B, T-1), target rows (N, V), draft rows (N, V))`; the target runs once, no grad."""
+    def _answer_rows(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, HiddenRows, HiddenRows]:
+        """Return `(answer_mask (B, T-1), target rows, draft rows)`: final hidden states `(N, H)` at the answer
+        positions and each model's output layer, never full logits (`specdistill.losses.rows`); the target runs once,
+        no grad. The divergence projects them `divergence.chunk_size` rows at a time."""
         keep = answer_mask(batch["labels"])
         with torch.no_grad():
-            target_rows = answer_logits(self.target, batch, keep, self.vocab_size)
-        draft_rows = answer_logits(self.draft, batch, keep, self.vocab_size)
+            target_rows = answer_rows(self.target, batch, keep, self.vocab_size)
+        draft_rows = answer_rows(self.draft, batch, keep, self.vocab_size)
         return keep, target_rows, draft_rows
 
     def _select(
         self,
         batch: Mapping[str, Any],
         answers: torch.Tensor,
-        target_rows: torch.Tensor,
+        target_rows: HiddenRows,
         per_token: torch.Tensor,
         normaliser: torch.Tensor,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Run the selector (and the reference it needs) on one micro-batch; record it in `last_selection`.
 
         Args:
-            answers: `(B, T-1)` bool answer mask; target_rows: `(N, V)`; per_token: `(N,)` D(p, q) with grad;
+            answers: `(B, T-1)` bool answer mask; target_rows: the target's answer rows; per_token: `(N,)` D(p, q);
             normaliser: `()` the window normaliser.
 
         Returns:
@@ -162,8 +166,8 @@ class DistillModule(LightningModule):
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
         world_size, accumulate = self._window()
         normaliser = window_normaliser(batch, world_size)
-        answers, target_rows, draft_rows = self._answer_logits(batch)
-        per_token = self.divergence(target_rows, draft_rows)
+        answers, target_rows, draft_rows = self._answer_rows(batch)
+        per_token = self.divergence.rows(target_rows, draft_rows)
         keep, normaliser = self._select(
             batch, answers, target_rows, per_token, normaliser.to(per_token.device)
         )
@@ -173,15 +177,21 @@ class DistillModule(LightningModule):
         return loss
 
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
-        answers, target_rows, draft_rows = self._answer_logits(batch)
+        answers, target_rows, draft_rows = self._answer_rows(batch)
         num_tokens = int(answers.sum())
         if num_tokens == 0:
             return
+        loss, kl, acceptance = rowwise(
+            [self.divergence.per_token, forward_kl, expected_acceptance],
+            target_rows,
+            draft_rows,
+            self.divergence.chunk_size,
+        )
         # batch_size = answer tokens, so the epoch value is the mean per answer token, not per batch.
         log = functools.partial(self.log, batch_size=num_tokens, sync_dist=True, on_epoch=True, on_step=False)
-        log("val/loss", self.divergence(target_rows, draft_rows).mean())
-        log("val/kl", forward_kl(target_rows, draft_rows).mean())
-        log("val/expected_acceptance", expected_acceptance(target_rows, draft_rows).mean(), prog_bar=True)
+        log("val/loss", loss.mean())
+        log("val/kl", kl.mean())
+        log("val/expected_acceptance", acceptance.mean(), prog_bar=True)
 
     def configure_optimizers(self) -> Any:
         params = [p for p in self.draft.parameters() if p.requires_grad]
