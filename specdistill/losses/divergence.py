@@ -55,7 +55,7 @@ def _kl_from_log_probs(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor
     producing 0 * inf = NaN.
     """
     p = log_p.exp()
-    terms = torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p))
+    terms = torch.where(p > 0, p * (log_p - log_q), 0.0)
     return terms.sum(dim=-1)
 
 
