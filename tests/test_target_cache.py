@@ -69,7 +69,9 @@ def _datamodule(train: int = 12) -> TaskDataModule:
 def _module(datamodule, target) -> DistillModule:
     vocab = len(datamodule.tokenizer)
     optimizer = functools.partial(torch.optim.SGD, lr=0.1)
-    return DistillModule(tiny_lm(1, hidden=16, vocab=vocab), target, vocab, ForwardKL(chunk_size=7), optimizer)
+    return DistillModule(
+        tiny_lm(1, hidden=16, vocab=vocab), target, vocab, ForwardKL(chunk_size=7), optimizer
+    )
 
 
 def test_training_from_a_full_cache_equals_online_training_without_the_target(tmp_path):
@@ -83,7 +85,10 @@ def test_training_from_a_full_cache_equals_online_training_without_the_target(tm
     online, cached = _module(datamodule, target), _module(datamodule, cache)
     with pytest.raises(RuntimeError, match="no target model"):
         cached.target  # noqa: B018
-    for split, loader in (("train", datamodule.scoring_dataloader("train")), ("val", datamodule.val_dataloader())):
+    for split, loader in (
+        ("train", datamodule.scoring_dataloader("train")),
+        ("val", datamodule.val_dataloader()),
+    ):
         batch = next(iter(loader))
         if split == "train":
             batch["window_answer_tokens"] = (batch["labels"][:, 1:] != -100).sum()
@@ -96,10 +101,11 @@ def test_training_from_a_full_cache_equals_online_training_without_the_target(tm
         else:
             logged = []
             for module in (online, cached):
-                values = {}
-                module.log = lambda name, value, **_: values.__setitem__(name, value)  # what validation reports
+                logged.append({})
+                module.log = lambda name, value, _out=logged[-1], **_: _out.__setitem__(
+                    name, value
+                )  # what is logged
                 module.validation_step(batch, 0)
-                logged.append(values)
             assert logged[0].keys() == {"val/loss", "val/kl", "val/expected_acceptance"}
             for name in logged[0]:
                 torch.testing.assert_close(logged[1][name], logged[0][name], rtol=1e-5, atol=1e-6)
@@ -111,10 +117,14 @@ def test_a_cache_from_another_model_tokenizer_or_dataset_is_refused(tmp_path):
     vocab = len(tokenizer)
     target = tiny_lm(2, vocab=vocab)
     build_target_cache(tmp_path, target, tokenizer, datamodule, vocab, m=8, splits=("train",))
-    same = CachedTarget.load(tmp_path, model_identity(target), tokenizer, datamodule, vocab, m=8, splits=("train",))
+    same = CachedTarget.load(
+        tmp_path, model_identity(target), tokenizer, datamodule, vocab, m=8, splits=("train",)
+    )
     assert same.m == 8 and same.key["model"] == model_identity(target)
 
-    def load(model=model_identity(target), tok=tokenizer, data=datamodule, m=8):
+    identity = model_identity(target)
+
+    def load(model=identity, tok=tokenizer, data=datamodule, m=8):
         return CachedTarget.load(tmp_path, model, tok, data, vocab, m=m, splits=("train",))
 
     with pytest.raises(ValueError, match="another target model than this run uses"):

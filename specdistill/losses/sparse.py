@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 # log 0 of an empty tail: finite, so that 0 * (log p - log q) has a zero (not NaN) gradient; exp() of it is 0.0.
 LOG_ZERO = -1.0e4
 
@@ -33,7 +32,9 @@ def bucket_log_probs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Ten
     empty = torch.isneginf(rest).all(dim=-1, keepdim=True)
     # logsumexp of an all -inf row has a NaN gradient; feed it zeros there and put LOG_ZERO in afterwards.
     safe = torch.where(empty, torch.zeros_like(rest), rest)
-    tail = torch.where(empty, torch.full_like(log_z, LOG_ZERO), torch.logsumexp(safe, -1, keepdim=True) - log_z)
+    tail = torch.where(
+        empty, torch.full_like(log_z, LOG_ZERO), torch.logsumexp(safe, -1, keepdim=True) - log_z
+    )
     return torch.cat([top, tail], dim=-1)
 
 
