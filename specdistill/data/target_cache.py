@@ -123,7 +123,9 @@ def _score_split(
         batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
         keep = answer_mask(batch["labels"])
         rows = answer_rows(target, batch, keep, vocab_size)
-        pieces = [top_m(rows.logits(*rows.inputs(s, s + chunk_size)), m) for s in range(0, len(rows), chunk_size)]
+        pieces = [
+            top_m(rows.logits(*rows.inputs(s, s + chunk_size)), m) for s in range(0, len(rows), chunk_size)
+        ]
         if not pieces:
             pieces = [top_m(torch.zeros(0, vocab_size), m)]
         log_probs, token_ids, tail = (torch.cat(p).cpu() for p in zip(*pieces, strict=True))
@@ -152,7 +154,8 @@ class CachedTarget:
         self.vocab_size = int(key["vocab_size"])
         self.m = int(key["m"])
         self._splits = {
-            split: datasets.load_from_disk(str(self.path / split)).with_format("numpy") for split in key["data"]
+            split: datasets.load_from_disk(str(self.path / split)).with_format("numpy")
+            for split in key["data"]
         }
 
     @classmethod
