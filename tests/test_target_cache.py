@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 import torch
@@ -139,3 +140,27 @@ def test_a_cache_from_another_model_tokenizer_or_dataset_is_refused(tmp_path):
         CachedTarget.load(tmp_path / "nothing", model_identity(target), tokenizer, datamodule, vocab)
     with pytest.raises(ValueError, match="no 'validation' split"):
         same.rows(next(iter(datamodule.val_dataloader())), torch.zeros(4, 3, dtype=torch.bool), "validation")
+
+
+@pytest.mark.slow
+def test_adaspec_stage_trains_from_the_cached_target(tmp_path):
+    """`adaspec.cached_target=m`: the stage caches the target once (train and validation) and trains from it."""
+    from hydra import compose, initialize_config_dir
+
+    from specdistill.stages.build import load_models, model_spec
+    from tests.helpers import ROOT, TINY, check_ok, run_train, stage_overrides
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=["stage=adaspec", *TINY])
+    tokenizer, models, _ = load_models(cfg, {"draft": model_spec(cfg.models.draft)})
+    reference = tmp_path / "reference"  # what the distill stage exports
+    models["draft"].save_pretrained(reference)
+    tokenizer.save_pretrained(reference)
+    args = ["stage=adaspec", *TINY, *stage_overrides("adaspec", 2), f"adaspec.reference={reference}",
+            "adaspec.cached_target=16", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    check_ok(run_train(args))
+    cache = tmp_path / "run" / "target_cache"
+    key = json.loads((cache / "specdistill_target_cache.json").read_text())
+    assert key["m"] == 16 and sorted(key["data"]) == ["train", "validation"]
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert 0 < result["val/expected_acceptance"] <= 1
