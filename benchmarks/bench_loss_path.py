@@ -12,7 +12,8 @@ The loss path is everything between the models' final hidden states and the loss
 layers, softmaxes, divergence, reduction); the bodies run once before it is measured, the draft's output as a leaf
 that receives the gradient. Each (vocabulary, mode) runs in its own subprocess: peak memory is the process's
 resident-set high-water mark (`VmHWM`, reset through `/proc/self/clear_refs` just before the loss path) minus its
-resident set at that moment, so it counts every allocation of the loss path (torch or not) and nothing else.
+resident set at that moment, so it counts every allocation of the loss path (torch or not) and nothing else; the
+workers run with a fixed glibc mmap threshold so that freed tensors leave the resident set (see `WORKER_ENV`).
 Tokens/s is answer tokens per second of the loss path. The parent checks that the loss and the gradients (draft
 output layer and hidden states) agree between the modes and prints the ratios. `--seq` pairs with `--vocab` (152k
 full logits at T = 2048 need ~10 GB).
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -39,6 +41,10 @@ from specdistill.losses.reduction import reduce_tokens, window_normaliser
 from specdistill.losses.rows import HiddenRows, OutputHead, final_hidden_states
 
 MODES = ("full", "chunked")
+# glibc serves allocations below its (adaptive, up to 32 MiB) mmap threshold from heaps it keeps resident after free,
+# so a loop of chunk-sized tensors would show up as resident memory that is free; a fixed threshold makes every large
+# tensor its own mapping, returned on free, so the high-water mark is the memory that was live at once.
+WORKER_ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
 def build(vocab: int, seq: int) -> tuple[torch.nn.Module, torch.nn.Module, dict[str, torch.Tensor]]:
@@ -154,7 +160,9 @@ def main() -> None:
                 path = str(Path(tmp) / f"{mode}.pt")
                 command = [sys.executable, __file__, "--worker", mode, str(vocab), str(seq), "--grads", path,
                            "--chunk-size", str(args.chunk_size), "--repeats", str(args.repeats)]  # fmt: skip
-                out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+                out = subprocess.run(
+                    command, capture_output=True, text=True, check=True, env=WORKER_ENV
+                ).stdout
                 results[mode] = json.loads(out.strip().splitlines()[-1])
                 grads[mode] = torch.load(path, weights_only=True)
             full, chunked = results["full"], results["chunked"]
