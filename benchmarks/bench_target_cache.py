@@ -32,7 +32,7 @@ from specdistill.data.target_cache import build_target_cache
 from specdistill.losses import ForwardKL
 from specdistill.losses.answers import answer_mask, answer_token_cross_entropy
 from specdistill.losses.chunked import rowwise
-from specdistill.losses.divergence import expected_acceptance, forward_kl
+from specdistill.losses.divergence import expected_acceptance
 from specdistill.losses.rows import answer_rows
 from specdistill.modules import DistillModule
 from specdistill.selection.reference import CachedReferenceScores, OnlineReference, cached_reference_scores
@@ -80,14 +80,18 @@ def exact_acceptance(target, draft, batches: list[dict], vocab: int) -> float:
     for batch in batches:
         keep = answer_mask(batch["labels"])
         (values,) = rowwise(
-            [expected_acceptance], answer_rows(target, batch, keep, vocab), answer_rows(draft, batch, keep, vocab)
+            [expected_acceptance],
+            answer_rows(target, batch, keep, vocab),
+            answer_rows(draft, batch, keep, vocab),
         )
         total, count = total + float(values.sum()), count + values.numel()
     return total / count
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--train", type=int, default=512, help="arith train problems")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--m", type=int, default=64)
@@ -103,7 +107,9 @@ def main() -> None:
     tokenizer, models, vocab = load_models(cfg, {**specs, "reference": specs["draft"]})
     target, draft = models["target"], models["draft"]
     reference = models["reference"]
-    datamodule = build_datamodule(cfg, tokenizer, 256, batch_size=args.batch_size, eval_batch_size=args.batch_size)
+    datamodule = build_datamodule(
+        cfg, tokenizer, 256, batch_size=args.batch_size, eval_batch_size=args.batch_size
+    )
     train = [with_window(b) for b in datamodule.scoring_dataloader("train")]
     val = list(datamodule.val_dataloader())
     sft(target, train, args.sft_steps)
@@ -132,7 +138,9 @@ def main() -> None:
         tail = torch.cat([cache.rows(b, answer_mask(b["labels"]), "validation").tail_mass for b in val])
 
         def module(target_or_cache, reference_provider) -> DistillModule:
-            student = load_models(cfg, {"draft": specs["draft"]})[1]["draft"]  # the same initialisation each time
+            student = load_models(cfg, {"draft": specs["draft"]})[1][
+                "draft"
+            ]  # the same initialisation each time
             student.train().requires_grad_(True)
             return DistillModule(
                 student, target_or_cache, vocab, divergence, functools.partial(torch.optim.AdamW, lr=1e-3),
@@ -150,7 +158,9 @@ def main() -> None:
     tokens = sum(int(b["window_answer_tokens"]) for b in train)
     print(f"embedded pair, {args.train} train problems ({tokens} answer tokens), batch {args.batch_size}, "
           f"m = {args.m} of V = {vocab}, target fine-tuned {args.sft_steps} steps, {args.threads} thread(s)")  # fmt: skip
-    print(f"  offline passes (once): target cache {cache_seconds:.1f} s, reference scores {score_seconds:.1f} s")
+    print(
+        f"  offline passes (once): target cache {cache_seconds:.1f} s, reference scores {score_seconds:.1f} s"
+    )
     print(f"  cache accuracy on validation tokens: mean tail mass {tail.mean():.4f}; forward KL exact "
           f"{exact.mean():.4f}, from cache {sparse.mean():.4f}, mean |error| {(sparse - exact).abs().mean():.2e} "
           f"({(sparse - exact).abs().mean() / exact.mean():.2%} of the mean)")  # fmt: skip
