@@ -93,7 +93,9 @@ class DistillModule(LightningModule):
     @property
     def target(self) -> nn.Module:
         if self._target is None:
-            raise RuntimeError("this DistillModule trains from cached target distributions: it has no target model")
+            raise RuntimeError(
+                "this DistillModule trains from cached target distributions: it has no target model"
+            )
         return self._target.model
 
     @property
