@@ -11,7 +11,7 @@ from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.head_data import RolloutCollator, build_hidden_cache, load_hidden_cache
 from specdistill.rollout import labelling_config, load_rollouts, run_rollouts, soft_labels
-from specdistill.rollout.generate import generate_responses, label_responses
+from specdistill.rollout.generate import generate_responses, generate_scored_responses, label_responses
 from tests.threads import one_thread_per_module  # noqa: F401  (autouse fixture)
 
 VOCAB = 48  # real vocabulary; the models carry 2 padded rows more
@@ -148,6 +148,38 @@ def test_labels_match_direct_min_ratio_per_example(pair):
     assert checked >= 10
 
 
+def test_labels_from_the_generation_scores_equal_the_teacher_forced_pass(pair):
+    """One-pass rollouts: the generation's raw logits give the two-pass labels and the same draft tokens."""
+    target, draft = pair
+    sampling = SamplingConfig(temperature=0.9, top_p=0.95)
+    torch.manual_seed(3)
+    responses, logits = generate_scored_responses(target, PROMPTS, sampling, 6, EOS, PAD, VOCAB)
+    torch.manual_seed(3)
+    assert generate_responses(target, PROMPTS, sampling, 6, EOS, PAD, VOCAB) == responses  # same draws
+    assert sum(map(len, responses)) >= 15
+    assert [t.shape for t in logits] == [(len(r), VOCAB) for r in responses]
+    two_pass = label_responses(
+        target, draft, PROMPTS, responses, sampling, PAD, VOCAB, torch.Generator().manual_seed(0)
+    )
+    one_pass = label_responses(
+        target,
+        draft,
+        PROMPTS,
+        responses,
+        sampling,
+        PAD,
+        VOCAB,
+        torch.Generator().manual_seed(0),
+        target_logits=logits,
+    )
+    assert one_pass[0] == two_pass[0]
+    for row, expected in zip(one_pass[1], two_pass[1], strict=True):
+        assert row == pytest.approx(expected, abs=1e-5)
+    assert any(0 < a < 1 for row in one_pass[1] for a in row)  # labels that depend on the target's logits
+    with pytest.raises(ValueError, match="target_logits"):
+        label_responses(target, draft, PROMPTS, responses, sampling, PAD, VOCAB, target_logits=logits[:-1])
+
+
 # --- storage, resume --------------------------------------------------------------------------------------------
 
 
@@ -226,9 +258,15 @@ def test_reused_responses_label_another_draft_exactly_as_a_fresh_run(
     def no_generation(*args, **kwargs):
         raise AssertionError("responses were generated although they could be reused")
 
-    monkeypatch.setattr(run_module, "generate_responses", no_generation)
+    monkeypatch.setattr(run_module, "generate_scored_responses", no_generation)
     reused = _run(other, tmp_path / "reused", responses_from=rollout_dir)
-    assert reused.to_dict() == fresh.to_dict()
+    # reused responses are labelled by a teacher-forced target pass, fresh ones from the generation's own logits
+    labels, fresh_labels = reused.to_dict().pop("labels"), fresh.to_dict().pop("labels")
+    assert {k: v for k, v in reused.to_dict().items() if k != "labels"} == {
+        k: v for k, v in fresh.to_dict().items() if k != "labels"
+    }
+    for row, fresh_row in zip(labels, fresh_labels, strict=True):
+        assert row == pytest.approx(fresh_row, abs=1e-5)
     assert reused["response_ids"][:] == load_rollouts(rollout_dir)["response_ids"][:]
 
 

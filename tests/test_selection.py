@@ -251,8 +251,9 @@ def test_gradients_reach_the_draft_only_through_selected_tokens():
 
 
 def _count_calls(model) -> list[int]:
+    """Forward passes of the model's body (the loss path runs the body and projects answer rows itself)."""
     calls = [0]
-    model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    model.base_model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     return calls
 
 

@@ -55,8 +55,9 @@ def _datamodule() -> TaskDataModule:
 
 
 def _count_calls(model) -> list[int]:
+    """Forward passes of the model's body (scoring runs the body and projects answer rows itself)."""
     calls = [0]
-    model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    model.base_model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     return calls
 
 

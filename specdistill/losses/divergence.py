@@ -17,20 +17,22 @@ values. Argument order is always `(target_logits, draft_logits)`: p comes from t
 `Divergence` objects (`ForwardKL()`, `ReverseKL()`, `JSD(beta=0.5)`, `TVD()`) wrap these for Hydra
 (`conf/divergence/*.yaml`); they compare equal when they compute the same thing, and `chunk_size` switches to
 `chunked_divergence`, which bounds the fp32 `(N, V)` temporaries for large vocabularies and equals the plain
-computation (same rows, same maths, concatenated).
+computation (same rows, same maths, concatenated). `Divergence.rows(target_rows, draft_rows)` computes the same
+values from answer rows that are projected chunk by chunk (`specdistill.losses.rows`, `specdistill.losses.chunked`),
+so no model's full logits exist at once; it is what training, validation and scoring use.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
-DivergenceFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+from specdistill.losses.chunked import DivergenceFn, rowwise
+from specdistill.losses.rows import LogitRows
 
 
 def _check_logits(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> None:
@@ -53,7 +55,7 @@ def _kl_from_log_probs(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor
     producing 0 * inf = NaN.
     """
     p = log_p.exp()
-    terms = torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p))
+    terms = torch.where(p > 0, p * (log_p - log_q), 0.0)
     return terms.sum(dim=-1)
 
 
@@ -121,24 +123,19 @@ def chunked_divergence(
 
     The rows are independent, so the result is exactly `fn(target_logits, draft_logits)`. Each chunk's fp32
     softmax temporaries are at most `chunk_size * V`; with `recompute` (and gradients needed) every chunk runs under
-    activation checkpointing, so the fp32 intermediates are freed after the forward and recomputed in backward
-    instead of being held for the whole batch at once.
+    activation checkpointing (`specdistill.losses.chunked.rowwise`), so the fp32 intermediates are freed after the
+    forward and recomputed in backward instead of being held for the whole batch at once.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of rows, got {chunk_size}")
     _check_logits(target_logits, draft_logits)
-    needs_grad = torch.is_grad_enabled() and (target_logits.requires_grad or draft_logits.requires_grad)
-    pieces = []
-    for start in range(0, target_logits.shape[0], chunk_size):
-        t_chunk = target_logits[start : start + chunk_size]
-        d_chunk = draft_logits[start : start + chunk_size]
-        if recompute and needs_grad:
-            pieces.append(checkpoint(fn, t_chunk, d_chunk, use_reentrant=False))
-        else:
-            pieces.append(fn(t_chunk, d_chunk))
-    if not pieces:
-        return target_logits.new_zeros(0, dtype=torch.float32)
-    return torch.cat(pieces)
+    if recompute:
+        return rowwise([fn], LogitRows(target_logits), LogitRows(draft_logits), chunk_size)[0]
+    pieces = [
+        fn(target_logits[start : start + chunk_size], draft_logits[start : start + chunk_size])
+        for start in range(0, target_logits.shape[0], chunk_size)
+    ]
+    return torch.cat(pieces) if pieces else target_logits.new_zeros(0, dtype=torch.float32)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,6 +160,11 @@ class Divergence:
         if self.chunk_size is None:
             return self.per_token(target_logits, draft_logits)
         return chunked_divergence(self.per_token, target_logits, draft_logits, self.chunk_size)
+
+    def rows(self, target_rows: Any, draft_rows: Any) -> torch.Tensor:
+        """`(N,)` from answer rows (`specdistill.losses.rows`: hidden states and output layer, logits, or a cached
+        sparse target), projected `chunk_size` rows at a time (all at once if None) without full logits."""
+        return rowwise([self.per_token], target_rows, draft_rows, self.chunk_size)[0]
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,13 @@ import torch
 from lightning import LightningModule
 from torch import nn
 
-from specdistill.losses.answers import answer_logits, answer_mask
+from specdistill.data.target_cache import CachedTarget
+from specdistill.losses.answers import answer_mask
+from specdistill.losses.chunked import rowwise
 from specdistill.losses.divergence import Divergence, expected_acceptance, forward_kl
 from specdistill.losses.reduction import reduce_tokens, window_normaliser
+from specdistill.losses.rows import HiddenRows, answer_rows
+from specdistill.losses.sparse import SparseRows
 from specdistill.models.frozen import Frozen
 from specdistill.modules.optimization import configure_optimization
 from specdistill.selection.base import SelectionRecord, Selector
@@ -38,6 +42,8 @@ class DistillModule(LightningModule):
     Args:
         draft: trainable causal LM (HF-style: `model(input_ids=, attention_mask=).logits`).
         target: frozen causal LM; kept out of `state_dict()` and placed on the trainer's devices at fit/eval start.
+            Or a `CachedTarget` (`specdistill.data.target_cache`): the target's cached top-m distributions, read per
+            batch by `example_id`, so no target model is loaded.
         vocab_size: the tokenizer's real vocabulary; logits are sliced `[..., :vocab_size]`.
         divergence: per-token divergence object, e.g. `ForwardKL()` (see `conf/divergence/`).
         optimizer: factory called with the draft's trainable parameters (Hydra `_partial_: true`).
@@ -54,7 +60,7 @@ class DistillModule(LightningModule):
     def __init__(
         self,
         draft: nn.Module,
-        target: nn.Module,
+        target: nn.Module | CachedTarget,
         vocab_size: int,
         divergence: Divergence,
         optimizer: OptimizerFactory,
@@ -70,7 +76,13 @@ class DistillModule(LightningModule):
             ignore=["draft", "target", "divergence", "optimizer", "scheduler", "selector", "reference"]
         )
         self.draft = draft
-        self._target = Frozen(target)
+        self.cached_target = target if isinstance(target, CachedTarget) else None
+        if self.cached_target is not None and self.cached_target.vocab_size != vocab_size:
+            raise ValueError(
+                f"the cached target distributions have vocab_size {self.cached_target.vocab_size} but the module "
+                f"{vocab_size}: build the cache with this tokenizer"
+            )
+        self._target = None if self.cached_target is not None else Frozen(target)
         self.vocab_size = vocab_size
         self.divergence = divergence
         self.optimizer_factory = optimizer
@@ -81,6 +93,10 @@ class DistillModule(LightningModule):
 
     @property
     def target(self) -> nn.Module:
+        if self._target is None:
+            raise RuntimeError(
+                "this DistillModule trains from cached target distributions: it has no target model"
+            )
         return self._target.model
 
     @property
@@ -93,11 +109,13 @@ class DistillModule(LightningModule):
     def _place_frozen(self) -> None:
         reference = self.reference if self.uses_reference else None
         if self._trainer is not None:
-            self._target.place(self.trainer)
+            if self._target is not None:
+                self._target.place(self.trainer)
             if reference is not None:
                 reference.place(self.trainer)
         else:
-            self._target.to(self.device)
+            if self._target is not None:
+                self._target.to(self.device)
             if reference is not None:
                 reference.to(self.device)
 
@@ -118,26 +136,33 @@ class DistillModule(LightningModule):
             return 1, 1
         return self._trainer.world_size, self._trainer.accumulate_grad_batches
 
-    def _answer_logits(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Return `(answer_mask (B, T-1), target rows (N, V), draft rows (N, V))`; the target runs once, no grad."""
+    def _answer_rows(
+        self, batch: Mapping[str, Any], split: str
+    ) -> tuple[torch.Tensor, HiddenRows | SparseRows, HiddenRows]:
+        """Return `(answer_mask (B, T-1), target rows, draft rows)`: final hidden states `(N, H)` at the answer
+        positions and each model's output layer, never full logits (`specdistill.losses.rows`); the target runs once,
+        no grad (or its cached top-m rows of `split` are read). The divergence projects `chunk_size` rows at a time."""
         keep = answer_mask(batch["labels"])
-        with torch.no_grad():
-            target_rows = answer_logits(self.target, batch, keep, self.vocab_size)
-        draft_rows = answer_logits(self.draft, batch, keep, self.vocab_size)
+        if self.cached_target is not None:
+            target_rows = self.cached_target.rows(batch, keep, split)
+        else:
+            with torch.no_grad():
+                target_rows = answer_rows(self.target, batch, keep, self.vocab_size)
+        draft_rows = answer_rows(self.draft, batch, keep, self.vocab_size)
         return keep, target_rows, draft_rows
 
     def _select(
         self,
         batch: Mapping[str, Any],
         answers: torch.Tensor,
-        target_rows: torch.Tensor,
+        target_rows: HiddenRows | SparseRows,
         per_token: torch.Tensor,
         normaliser: torch.Tensor,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Run the selector (and the reference it needs) on one micro-batch; record it in `last_selection`.
 
         Args:
-            answers: `(B, T-1)` bool answer mask; target_rows: `(N, V)`; per_token: `(N,)` D(p, q) with grad;
+            answers: `(B, T-1)` bool answer mask; target_rows: the target's answer rows; per_token: `(N,)` D(p, q);
             normaliser: `()` the window normaliser.
 
         Returns:
@@ -163,8 +188,8 @@ class DistillModule(LightningModule):
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
         world_size, accumulate = self._window()
         normaliser = window_normaliser(batch, world_size)
-        answers, target_rows, draft_rows = self._answer_logits(batch)
-        per_token = self.divergence(target_rows, draft_rows)
+        answers, target_rows, draft_rows = self._answer_rows(batch, "train")
+        per_token = self.divergence.rows(target_rows, draft_rows)
         keep, normaliser = self._select(
             batch, answers, target_rows, per_token, normaliser.to(per_token.device)
         )
@@ -174,15 +199,21 @@ class DistillModule(LightningModule):
         return loss
 
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
-        answers, target_rows, draft_rows = self._answer_logits(batch)
+        answers, target_rows, draft_rows = self._answer_rows(batch, "validation")
         num_tokens = int(answers.sum())
         if num_tokens == 0:
             return
+        loss, kl, acceptance = rowwise(
+            [self.divergence.per_token, forward_kl, expected_acceptance],
+            target_rows,
+            draft_rows,
+            self.divergence.chunk_size,
+        )
         # batch_size = answer tokens, so the epoch value is the mean per answer token, not per batch.
         log = functools.partial(self.log, batch_size=num_tokens, sync_dist=True, on_epoch=True, on_step=False)
-        log("val/loss", self.divergence(target_rows, draft_rows).mean())
-        log("val/kl", forward_kl(target_rows, draft_rows).mean())
-        log("val/expected_acceptance", expected_acceptance(target_rows, draft_rows).mean(), prog_bar=True)
+        log("val/loss", loss.mean())
+        log("val/kl", kl.mean())
+        log("val/expected_acceptance", acceptance.mean(), prog_bar=True)
 
     def configure_optimizers(self) -> Any:
         return configure_optimization(self, self.draft, self.optimizer_factory, self.scheduler_factory)

@@ -3,7 +3,9 @@
 (1) the target samples a response X to each prompt (left-padded `model.generate`, warped by our own `SamplingConfig`
 so that generation, labelling and decoding warp identically); (2) one teacher-forced draft pass over prompt+X samples
 a draft token Y_i ~ q(. | prompt, X_<i) at every response position; (3) the target's logits at the same positions give
-the soft label min(1, p(Y_i)/q(Y_i)).
+the soft label min(1, p(Y_i)/q(Y_i)). The target's logits of step (3) are the raw scores generation already computed
+for X (`generate_scored_responses`), so a rollout runs the target once; responses generated elsewhere (reused for
+another draft) get a teacher-forced target pass instead. The two agree to float rounding (KV-cached vs full attention).
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def _device(model: torch.nn.Module) -> torch.device:
 
 
 @torch.no_grad()
-def generate_responses(
+def generate_scored_responses(
     target: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
     sampling: SamplingConfig,
@@ -85,8 +87,8 @@ def generate_responses(
     eos_token_id: int | Sequence[int],
     pad_token_id: int,
     vocab_size: int,
-) -> list[list[int]]:
-    """Target responses for one batch of prompts (EOS kept, nothing after it).
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Target responses for one batch of prompts (EOS kept, nothing after it) and the target's raw logits for them.
 
     Draws from the global torch RNG (`model.generate` has no generator argument): seed it before the call.
 
@@ -98,6 +100,11 @@ def generate_responses(
         eos_token_id: id (or ids) that end a response.
         pad_token_id: id used to pad the batch (may equal EOS).
         vocab_size: real vocabulary; padded embedding rows are never sampled.
+
+    Returns:
+        `(responses, logits)`: per row the response's token ids, and `(n_i, vocab_size)` fp32 logits of the target at
+        the positions that predicted them (before any warping), exactly what a teacher-forced pass over
+        prompt + response gives there up to float rounding.
     """
     if any(len(p) == 0 for p in prompts):
         raise ValueError("empty prompt: every prompt needs at least one token (e.g. BOS) to condition on.")
@@ -113,6 +120,8 @@ def generate_responses(
         max_new_tokens=max_new_tokens,
         eos_token_id=_eos_ids(eos_token_id),
         pad_token_id=pad_token_id,
+        return_dict_in_generate=True,
+        output_logits=True,  # the raw (unprocessed) logits of every step: the labels' target distribution
     )
     output = target.generate(
         input_ids=input_ids.to(device),
@@ -120,8 +129,33 @@ def generate_responses(
         generation_config=config,
         logits_processor=LogitsProcessorList([WarpLogitsProcessor(sampling, vocab_size)]),
     )
-    generated = output[:, input_ids.shape[1] :].tolist()
-    return [truncate_at_eos(tokens, eos_token_id) for tokens in generated]
+    generated = output.sequences[:, input_ids.shape[1] :].tolist()
+    responses = [truncate_at_eos(tokens, eos_token_id) for tokens in generated]
+    if output.logits and output.logits[0].shape[-1] < vocab_size:
+        raise ValueError(
+            f"model has {output.logits[0].shape[-1]} output rows, fewer than the vocabulary ({vocab_size})."
+        )
+    steps = torch.stack(output.logits, dim=1) if output.logits else None  # (B, steps, V')
+    logits = [
+        steps[row, : len(r), :vocab_size].float() if steps is not None else torch.zeros(0, vocab_size)
+        for row, r in enumerate(responses)
+    ]
+    return responses, logits
+
+
+def generate_responses(
+    target: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingConfig,
+    max_new_tokens: int,
+    eos_token_id: int | Sequence[int],
+    pad_token_id: int,
+    vocab_size: int,
+) -> list[list[int]]:
+    """The responses of `generate_scored_responses` (same arguments, same draws), without the logits."""
+    return generate_scored_responses(
+        target, prompts, sampling, max_new_tokens, eos_token_id, pad_token_id, vocab_size
+    )[0]
 
 
 def _response_logits(
@@ -156,6 +190,7 @@ def label_responses(
     pad_token_id: int,
     vocab_size: int,
     generator: torch.Generator | None = None,
+    target_logits: Sequence[torch.Tensor] | None = None,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Sample a draft token at every response position and label it.
 
@@ -166,6 +201,8 @@ def label_responses(
         pad_token_id: id used to pad the batch.
         vocab_size: real vocabulary size.
         generator: generator on the draft's device for the draft-token draws.
+        target_logits: per row, the target's `(n_i, vocab_size)` logits at the response positions when generation
+            already computed them (`generate_scored_responses`); None runs a teacher-forced target pass.
 
     Returns:
         `(draft_tokens, labels)`: per row, lists of the response's length.
@@ -175,8 +212,14 @@ def label_responses(
     if min(prompt_lengths) < 1:
         raise ValueError("empty prompt: the first response token needs a context to be predicted from.")
     draft_logits = _response_logits(draft, sequences, prompt_lengths, pad_token_id, vocab_size)
-    target_logits = _response_logits(target, sequences, prompt_lengths, pad_token_id, vocab_size)
     lengths = [len(r) for r in responses]
+    if target_logits is None:
+        target_logits = _response_logits(target, sequences, prompt_lengths, pad_token_id, vocab_size)
+    elif [t.shape for t in target_logits] != [(n, vocab_size) for n in lengths]:
+        raise ValueError(
+            "target_logits must hold one (len(response), vocab_size) tensor per response, got shapes "
+            f"{[tuple(t.shape) for t in target_logits]} for response lengths {lengths} and vocab_size {vocab_size}"
+        )
     flat_draft = torch.cat(draft_logits)
     tokens = sample_draft_tokens(flat_draft, sampling, generator)
     labels = soft_labels(torch.cat(target_logits).to(flat_draft.device), flat_draft, tokens, sampling)

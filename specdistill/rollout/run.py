@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from specdistill.decoding.sampling import SamplingConfig
-from specdistill.rollout.generate import generate_responses, label_responses
+from specdistill.rollout.generate import generate_scored_responses, label_responses
 from specdistill.rollout.labels import labelling_config
 from specdistill.rollout.storage import load_shards, num_shards, prepare_out_dir, read_settings, write_shard
 
@@ -197,15 +197,18 @@ def _roll_out_shard(
     for start in range(0, len(indices), batch_size):
         batch_indices = indices[start : start + batch_size]
         batch_prompts = prompts[start : start + batch_size]
+        target_logits = None  # reused responses: the target scores them in a teacher-forced pass
         if responses is None:
-            batch_responses = generate_responses(
+            # one target pass: the generation's own logits are the labels' target distribution
+            batch_responses, target_logits = generate_scored_responses(
                 target, batch_prompts, sampling, max_new_tokens, eos_token_id, pad_token_id, vocab_size
             )
         else:
             batch_responses = responses[start : start + batch_size]
         tokens, labels = label_responses(
-            target, draft, batch_prompts, batch_responses, label_sampling, pad_token_id, vocab_size, generator
-        )
+            target, draft, batch_prompts, batch_responses, label_sampling, pad_token_id, vocab_size, generator,
+            target_logits=target_logits,
+        )  # fmt: skip
         columns["prompt_index"] += batch_indices
         columns["prompt_ids"] += batch_prompts
         columns["response_ids"] += batch_responses

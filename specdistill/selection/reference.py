@@ -4,8 +4,9 @@
 
     provider.score(batch, answer_mask, target_rows) -> (N,) float32
 
-once per training micro-batch, with `answer_mask` `(B, T-1)` bool (shifted answer positions) and `target_rows`
-`(N, V)` the target's logits at those positions (already computed by the module, no grad), N = `answer_mask.sum()`:
+once per training micro-batch, with `answer_mask` `(B, T-1)` bool (shifted answer positions) and `target_rows` the
+target's answer rows at those positions (`specdistill.losses.rows`: final hidden states and output layer, already
+computed by the module, no grad), N = `answer_mask.sum()`:
 
 - `OnlineReference(model, divergence, vocab_size)`: runs the frozen reference on the batch (no grad) and compares it
   with the target rows, so the target still runs once per batch.
@@ -28,8 +29,8 @@ import datasets
 import torch
 from torch import nn
 
-from specdistill.losses.answers import answer_logits
 from specdistill.losses.divergence import Divergence
+from specdistill.losses.rows import answer_rows
 from specdistill.models.frozen import Frozen
 from specdistill.selection.scoring import score_reference
 
@@ -41,10 +42,8 @@ CACHED_COLUMN = "ref_divergence"
 class ReferenceScores:
     """Base of the providers: `score` per micro-batch, and device placement (nothing to place by default)."""
 
-    def score(
-        self, batch: Mapping[str, Any], answer_mask: torch.Tensor, target_rows: torch.Tensor
-    ) -> torch.Tensor:
-        """D(p, r) per answer token: `(B, T-1)` bool mask and `(N, V)` target rows -> `(N,)` float32."""
+    def score(self, batch: Mapping[str, Any], answer_mask: torch.Tensor, target_rows: Any) -> torch.Tensor:
+        """D(p, r) per answer token: `(B, T-1)` bool mask and the target's N answer rows -> `(N,)` float32."""
         raise NotImplementedError
 
     def place(self, trainer: Any) -> None:
@@ -87,22 +86,19 @@ class OnlineReference(ReferenceScores):
     def to(self, device: torch.device | str) -> None:
         self._frozen.to(device)
 
-    def score(
-        self, batch: Mapping[str, Any], answer_mask: torch.Tensor, target_rows: torch.Tensor
-    ) -> torch.Tensor:
-        """D(p, r) `(N,)`: one reference forward on `batch` (`input_ids`, `attention_mask` `(B, T)`), no grad."""
+    def score(self, batch: Mapping[str, Any], answer_mask: torch.Tensor, target_rows: Any) -> torch.Tensor:
+        """D(p, r) `(N,)`: one reference forward on `batch` (`input_ids`, `attention_mask` `(B, T)`), no grad,
+        projected chunk by chunk like the training divergence."""
         with torch.no_grad():
-            reference_rows = answer_logits(self.model, batch, answer_mask, self.vocab_size)
-            return self.divergence(target_rows, reference_rows)
+            reference_rows = answer_rows(self.model, batch, answer_mask, self.vocab_size)
+            return self.divergence.rows(target_rows, reference_rows)
 
 
 class CachedReferenceScores(ReferenceScores):
     """Read D(p, r) from the batch column `ref_divergence` `(B, T-1)` float (0 off the answer positions)."""
 
-    def score(
-        self, batch: Mapping[str, Any], answer_mask: torch.Tensor, target_rows: torch.Tensor
-    ) -> torch.Tensor:
-        """The cached column at the answer positions: `(N,)` float32 on `target_rows`' device."""
+    def score(self, batch: Mapping[str, Any], answer_mask: torch.Tensor, target_rows: Any) -> torch.Tensor:
+        """The cached column at the answer positions: `(N,)` float32 on `answer_mask`'s device."""
         cached = batch.get(CACHED_COLUMN)
         if cached is None:
             raise ValueError(
@@ -115,7 +111,7 @@ class CachedReferenceScores(ReferenceScores):
                 f"cached {CACHED_COLUMN} has shape {tuple(cached.shape)} but the batch's shifted positions are "
                 f"{tuple(answer_mask.shape)} (B, T-1); re-run the score stage on this tokenisation"
             )
-        return cached.to(target_rows.device, torch.float32)[answer_mask]
+        return cached.to(answer_mask.device, torch.float32)[answer_mask]
 
 
 def cached_reference_scores(

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from specdistill.losses.answers import answer_logits, answer_mask
+from specdistill.losses.answers import answer_mask
 from specdistill.losses.divergence import Divergence
+from specdistill.losses.rows import answer_rows
 
 
 @torch.no_grad()
@@ -25,10 +26,10 @@ def score_batch(
 ) -> torch.Tensor:
     """Reference divergence D(p, r) on one batch. Returns `(B, T-1)` float, 0 where not an answer token."""
     answers = answer_mask(batch["labels"])
-    target_rows = answer_logits(target, batch, answers, vocab_size)
-    reference_rows = answer_logits(reference, batch, answers, vocab_size)
+    target_rows = answer_rows(target, batch, answers, vocab_size)
+    reference_rows = answer_rows(reference, batch, answers, vocab_size)
     out = torch.zeros(answers.shape, dtype=torch.float32, device=answers.device)
-    out[answers] = divergence(target_rows, reference_rows)
+    out[answers] = divergence.rows(target_rows, reference_rows)
     return out
 
 

@@ -3,7 +3,9 @@
 Three models: the frozen target, the frozen reference (the `distill` stage's export, by path) and the trainable
 draft, initialised from the *base* draft checkpoint. The selector (`conf/selector/`) keeps the fraction `adaspec.k`
 of answer tokens; the reference's per-token divergence comes from the online reference or, with
-`adaspec.cached_scores` (default), from one scoring pass saved beside the run (`reference_scores/`).
+`adaspec.cached_scores` (default), from one scoring pass saved beside the run (`reference_scores/`). With
+`adaspec.cached_target=<m>` the target's top-m answer distributions are cached once (`target_cache/`) and training
+runs without the target model (docs/METHODS.md section 2, "Cached target distributions").
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
 
 from specdistill.callbacks.token_selection import SelectionReport
+from specdistill.data.target_cache import CachedTarget, build_target_cache, model_identity
 from specdistill.models import ModelSpec
 from specdistill.modules.distill import DistillModule
 from specdistill.selection.reference import CachedReferenceScores, OnlineReference, cached_reference_scores
@@ -77,9 +80,12 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         reference = CachedReferenceScores()
     elif selector.needs_reference:
         reference = OnlineReference(models["reference"], divergence, vocab_size)
+    target = models.pop("target")
+    if settings.get("cached_target"):
+        target = _cached_target(out_dir / "target_cache", target, tokenizer, datamodule, vocab_size, settings)
     module = DistillModule(
         draft=models["draft"],
-        target=models["target"],
+        target=target,
         vocab_size=vocab_size,
         divergence=divergence,
         optimizer=instantiate(settings.optimizer),
@@ -92,3 +98,15 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     metadata = {"stage": "adaspec", "task": cfg.task.name, "reference": settings.reference, "k": k}
     trained = train_and_export(trainer, module, datamodule, tokenizer, out_dir, metadata)
     return write_result(out_dir, {"stage": "adaspec", "k": k, **trained})
+
+
+def _cached_target(
+    path: Path, target, tokenizer, datamodule, vocab_size: int, settings: DictConfig
+) -> CachedTarget:
+    """The run's target cache: reused when `path` holds one built from this target, tokenizer and data, else built
+    (one target pass over train and validation). The target model is not used afterwards."""
+    m = int(settings.cached_target)
+    try:
+        return CachedTarget.load(path, model_identity(target), tokenizer, datamodule, vocab_size, m=m)
+    except ValueError:
+        return build_target_cache(path, target, tokenizer, datamodule, vocab_size, m=m)
