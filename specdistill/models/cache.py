@@ -101,6 +101,7 @@ def crop_cache(cache: Cache, keep_length: int) -> None:
             if layer.keys.shape[-2] < needed:
                 raise ValueError(
                     f"cannot crop a cache of {current} positions to {keep_length}: a sliding-window layer "
-                    f"(window {window}) kept only what arrived since the previous crop, which was longer."
+                    f"(window {window}) holds {layer.keys.shape[-2]}, and dropped the rest. Build the cache with "
+                    "new_cache (it records what a crop may need) and never crop below the previous crop."
                 )
     cache.crop(-removed)
