@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, StaticCache
+from transformers.cache_utils import StaticLayer
 
 from specdistill.decoding.engine import SpeculativeDecoder, autoregressive
 from specdistill.decoding.policies import FixedLength, Oracle
@@ -53,10 +54,19 @@ def test_sliding_architectures_get_sliding_cache_layers(arch):
     target, _ = tiny_pair(arch, 32)
     cache = new_cache(target)
     assert any(cache.is_sliding) == (arch in SLIDING)
-    assert all(not sliding for sliding in new_cache(target, "static", 64).is_sliding)  # static: full-length
+    if StaticLayer.is_croppable:
+        assert not any(new_cache(target, "static", 64).is_sliding)  # static: full-length layers everywhere
 
 
-@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
+STATIC = pytest.param(
+    "static",
+    marks=pytest.mark.skipif(
+        not StaticLayer.is_croppable, reason="static caches roll back from transformers 5.24"
+    ),
+)
+
+
+@pytest.mark.parametrize("cache_implementation", ["dynamic", STATIC])
 def test_greedy_output_equals_generate(arch, cache_implementation):
     target, draft = tiny_pair(arch, 32)
     reference = target.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False)

@@ -41,6 +41,7 @@ from specdistill.decoding.sampling import SamplingConfig
 from specdistill.decoding.stats import DecodingStats
 from specdistill.models.acceptance_head import draft_logits
 from specdistill.models.cache import CACHE_IMPLEMENTATIONS, crop_cache, forward_with_cache, new_cache
+from specdistill.models.loading import is_placed_across_devices
 from specdistill.models.vocab import check_model_covers_vocab
 
 
@@ -286,10 +287,12 @@ class SpeculativeDecoder:
             raise ValueError(f"vocab_size must be a positive int (len(tokenizer)), got {vocab_size!r}")
         check_model_covers_vocab("target", target, vocab_size)
         check_model_covers_vocab("draft", draft, vocab_size)
-        self.device = _model_device(target)
-        if _model_device(draft) != self.device:
+        # A target placed across devices (device_map) takes its inputs anywhere and returns its logits there.
+        self.device = _model_device(draft)
+        if not is_placed_across_devices(target) and _model_device(target) != self.device:
             raise ValueError(
-                f"draft is on {_model_device(draft)} but target on {self.device}: put both on one device."
+                f"draft is on {self.device} but target on {_model_device(target)}: put both on one device "
+                "(or load the target with a device_map)."
             )
         if not isinstance(policy, DraftPolicy):
             raise ValueError(f"policy must be a DraftPolicy, got {type(policy).__name__}")

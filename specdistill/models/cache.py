@@ -23,6 +23,7 @@ from functools import cache
 from typing import Any
 
 import torch
+import transformers
 from transformers.cache_utils import Cache, DynamicCache, StaticCache, StaticLayer
 
 CACHE_IMPLEMENTATIONS = ("dynamic", "static")
@@ -65,6 +66,11 @@ def new_cache(
     if implementation == "static":
         if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
             raise ValueError(f"a static cache needs max_length, a positive int, got {max_length!r}")
+        if not StaticLayer.is_croppable:
+            raise ValueError(
+                f"transformers {transformers.__version__} cannot roll back static caches (from 5.24 it can): "
+                "use the dynamic cache or upgrade transformers."
+            )
         cache = StaticCache(config=config, max_cache_len=max_length)
         cache.layers = [
             StaticLayer(max_cache_len=max_length) if getattr(layer, "is_sliding", False) else layer
