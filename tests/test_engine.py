@@ -21,6 +21,7 @@ from specdistill.decoding.sampling import SamplingConfig, warp_logits, warp_prob
 from specdistill.decoding.stats import DecodingStats, speedup
 from specdistill.decoding.toy import toy_pair
 from specdistill.models.acceptance_head import AcceptanceHead
+from specdistill.models.cache import forward_with_cache
 from tests.lossless import exact_two_token_distribution, matches_two_token_distribution, two_token_counts
 from tests.threads import one_thread_per_module  # noqa: F401  (autouse fixture)
 
@@ -197,7 +198,7 @@ def _assert_cache_matches_fresh_forward(model, tokens: torch.Tensor, cache, leng
     """Continuing `cache` (covering `length` tokens) gives the same next-token logits as a fresh full forward."""
     assert cache.get_seq_length() == length < tokens.shape[1]
     with torch.inference_mode():
-        cached = model(input_ids=tokens[:, length:], cache=cache, use_cache=True).logits[0, -1]
+        cached = forward_with_cache(model, tokens[:, length:], cache)[0].logits[0, -1]
         fresh = model(input_ids=tokens).logits[0, -1]
     torch.testing.assert_close(cached, fresh, rtol=1e-4, atol=1e-4)
 

@@ -3,7 +3,8 @@
 Three models: the frozen target, the frozen reference (the `distill` stage's export, by path) and the trainable
 draft, initialised from the *base* draft checkpoint. The selector (`conf/selector/`) keeps the fraction `adaspec.k`
 of answer tokens; the reference's per-token divergence comes from the online reference or, with
-`adaspec.cached_scores` (default), from one scoring pass saved beside the run (`reference_scores/`).
+`adaspec.cached_scores` (default), from one scoring pass saved beside the run (`reference_scores/`), run at fit start
+where the Trainer's strategy put the target, each rank scoring a shard.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from omegaconf import DictConfig, open_dict
 from specdistill.callbacks.token_selection import SelectionReport
 from specdistill.models import ModelSpec
 from specdistill.modules.distill import DistillModule
-from specdistill.selection.reference import CachedReferenceScores, OnlineReference, cached_reference_scores
+from specdistill.selection.reference import OnlineReference, ScoreOnceReference
 from specdistill.selection.topk import check_fraction
 from specdistill.stages.build import (
     build_trainer,
@@ -65,16 +66,10 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     selector = instantiate(cfg.selector, k=k)
     reference = None
     if selector.needs_reference and settings.cached_scores:
-        rows = cached_reference_scores(
-            out_dir / "reference_scores",
-            models["target"],
-            models["reference"],
-            datamodule,
-            divergence,
-            vocab_size,
+        # scored at fit start, on the devices the Trainer gives the target, every rank a shard of the train split
+        reference = ScoreOnceReference(
+            models["reference"], divergence, vocab_size, out_dir / "reference_scores", datamodule
         )
-        datamodule.attach_column("train", "ref_divergence", rows)
-        reference = CachedReferenceScores()
     elif selector.needs_reference:
         reference = OnlineReference(models["reference"], divergence, vocab_size)
     module = DistillModule(
