@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -23,6 +21,8 @@ from specdistill.decoding.sampling import SamplingConfig, warp_logits, warp_prob
 from specdistill.decoding.stats import DecodingStats, speedup
 from specdistill.decoding.toy import toy_pair
 from specdistill.models.acceptance_head import AcceptanceHead
+from specdistill.models.cache import forward_with_cache
+from tests.lossless import exact_two_token_distribution, matches_two_token_distribution, two_token_counts
 from tests.threads import one_thread_per_module  # noqa: F401  (autouse fixture)
 
 V = 48
@@ -144,54 +144,13 @@ def small_pair():
     return toy_pair(SMALL_V, hidden_size=16, num_heads=2, initializer_range=0.5, noise=1.0, seed=5)
 
 
-def _exact_two_token_distribution(target) -> torch.Tensor:
-    """`(V, V)` exact probability of the first two generated tokens, by enumerating the first one."""
-    with torch.inference_mode():
-        ids = torch.tensor([STAT_PROMPT + [x] for x in range(SMALL_V)])
-        logits = target(ids).logits
-    first = SAMPLING.warp_probs(logits[0, -2])
-    second = SAMPLING.warp_probs(logits[:, -1])
-    return first[:, None] * second
-
-
-def _chi_square_fails(counts: torch.Tensor, exact: torch.Tensor, z: float = 3.7) -> bool:
-    """Pearson chi-square goodness of fit at level ~1e-4 (Wilson-Hilferty critical value); small cells pooled.
-
-    A sample in a cell of probability 0 fails outright.
-    """
-    counts, exact = counts.flatten().double(), exact.flatten().double()
-    if counts[exact == 0].sum() > 0:
-        return True
-    expected = exact * counts.sum()
-    big = expected >= 5
-    observed = torch.cat([counts[big], counts[~big].sum().reshape(1)])
-    expected = torch.cat([expected[big], expected[~big].sum().reshape(1)])
-    if expected[-1] < 5:
-        observed, expected = observed[:-1], expected[:-1]
-    stat = float(((observed - expected) ** 2 / expected).sum())
-    df = len(observed) - 1
-    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-    return stat > critical
-
-
-def _empirical(target, draft, policy: DraftPolicy, samples: int) -> torch.Tensor:
+def _is_lossless(target, draft, policy: DraftPolicy, samples: int = 400) -> bool:
     # max_new_tokens=2 with one candidate per round: the first token comes from acceptance or the residual, the
     # second from the bonus token (after an acceptance) or a plain target step (after a rejection).
     decoder = SpeculativeDecoder(target, draft, policy, SAMPLING, None, SMALL_V, max_draft_length=1)
-    gen = torch.Generator().manual_seed(0)
-    counts = torch.zeros(SMALL_V, SMALL_V)
-    for _ in range(samples):
-        first, second = decoder.generate(STAT_PROMPT, 2, gen).tokens
-        counts[first, second] += 1
-    return counts
-
-
-def _is_lossless(target, draft, policy: DraftPolicy, samples: int = 400) -> bool:
-    counts = _empirical(target, draft, policy, samples)
-    exact = _exact_two_token_distribution(target)
-    joint, first, second = counts, counts.sum(1), counts.sum(0)
-    return not any(
-        _chi_square_fails(c, e) for c, e in ((joint, exact), (first, exact.sum(1)), (second, exact.sum(0)))
+    counts = two_token_counts(decoder, STAT_PROMPT, SMALL_V, samples)
+    return matches_two_token_distribution(
+        counts, exact_two_token_distribution(target, STAT_PROMPT, SAMPLING, SMALL_V)
     )
 
 
@@ -239,7 +198,7 @@ def _assert_cache_matches_fresh_forward(model, tokens: torch.Tensor, cache, leng
     """Continuing `cache` (covering `length` tokens) gives the same next-token logits as a fresh full forward."""
     assert cache.get_seq_length() == length < tokens.shape[1]
     with torch.inference_mode():
-        cached = model(input_ids=tokens[:, length:], cache=cache, use_cache=True).logits[0, -1]
+        cached = forward_with_cache(model, tokens[:, length:], cache)[0].logits[0, -1]
         fresh = model(input_ids=tokens).logits[0, -1]
     torch.testing.assert_close(cached, fresh, rtol=1e-4, atol=1e-4)
 

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,3 +101,53 @@ def test_cached_provider_refuses_a_missing_or_misshapen_column(column):
         batch["ref_divergence"] = column
     with pytest.raises(ValueError, match="ref_divergence"):
         CachedReferenceScores().score(batch, mask, torch.zeros(int(mask.sum()), VOCAB))
+
+
+_SCORING_WORKER = """
+import json, sys
+import torch, torch.distributed as dist
+from test_distill_module import tiny_lm
+from test_selection_reference import _count_calls, _datamodule
+from specdistill.losses import ForwardKL
+from specdistill.selection.reference import cached_reference_scores
+rank, port, path, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+datamodule = _datamodule()
+vocab = len(datamodule.tokenizer)
+target, reference = tiny_lm(2, vocab=vocab), tiny_lm(3, hidden=16, vocab=vocab)
+calls = _count_calls(reference)
+rows = cached_reference_scores(path, target, reference, datamodule, ForwardKL(), vocab)
+dist.destroy_process_group()
+json.dump({"rows": rows, "calls": calls[0]}, open(out, "w"))
+"""
+
+
+@pytest.mark.slow  # two fresh Python processes importing torch: seconds, more on a loaded machine
+def test_ranks_score_their_shards_and_write_one_set_of_scores(tmp_path):
+    """Two gloo ranks split the scoring batches (2 forwards each instead of 3) and end with the single-process rows,
+    saved once."""
+    datamodule = _datamodule()
+    vocab = len(datamodule.tokenizer)
+    target, reference = tiny_lm(2, vocab=vocab), tiny_lm(3, hidden=16, vocab=vocab)
+    expected = cached_reference_scores(tmp_path / "single", target, reference, datamodule, ForwardKL(), vocab)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": f"{tests.parent}{os.pathsep}{tests}"}
+    path, outs = tmp_path / "shared", [tmp_path / f"rank{r}.json" for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _SCORING_WORKER, str(r), str(port), str(path), str(outs[r])], env=env
+        )
+        for r in range(2)
+    ]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    results = [json.loads(o.read_text()) for o in outs]
+    assert [r["calls"] for r in results] == [2, 2]  # batches 0, 2 and 1 (+ 1 repeated to keep step)
+    for result in results:
+        torch.testing.assert_close(result["rows"], expected)
+    assert sorted(p.name for p in tmp_path.iterdir() if "shared" in p.name) == [
+        "shared"
+    ]  # shards merged, removed
+    assert (path / "specdistill_scores.json").is_file()

@@ -14,7 +14,9 @@ candidate is EOS.
 
 Cache invariant: at the start of a round both KV caches cover a prefix of the sequence that is at most `n - 1`
 tokens long (`n` = prompt + generated), so the tokens they have not seen are fed next; after verification the
-caches are cropped to the accepted prefix, never recomputed. The first round therefore prefills the prompt.
+caches are cropped to the accepted prefix, never recomputed, and never below the previous crop. The first round
+therefore prefills the prompt. The caches come from `specdistill.models.cache.new_cache` (`cache_implementation`:
+dynamic or static), which can roll back sliding-window and hybrid layouts too (Mistral, Qwen2, Gemma-2).
 
 Oracle policies (`needs_oracle`) get `DraftStep.will_accept` from a target probe that runs on the real target
 cache and is cropped away before the real verification; its time and forward passes are excluded from the
@@ -38,7 +40,8 @@ from specdistill.decoding.policies import DraftPolicy, DraftStep
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.decoding.stats import DecodingStats
 from specdistill.models.acceptance_head import draft_logits
-from specdistill.models.cache import crop_cache, forward_with_cache
+from specdistill.models.cache import CACHE_IMPLEMENTATIONS, crop_cache, forward_with_cache, new_cache
+from specdistill.models.loading import is_placed_across_devices
 from specdistill.models.vocab import check_model_covers_vocab
 
 
@@ -160,17 +163,26 @@ def _check_max_new_tokens(max_new_tokens: int) -> None:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
 
 
+def _check_cache_implementation(implementation: str) -> None:
+    if implementation not in CACHE_IMPLEMENTATIONS:
+        raise ValueError(
+            f"cache_implementation must be one of {CACHE_IMPLEMENTATIONS}, got {implementation!r}"
+        )
+
+
 class _Sequence:
     """Mutable state of one generation: token buffer, length, caches, counters."""
 
-    def __init__(self, prompt: torch.Tensor, capacity: int) -> None:
+    def __init__(
+        self, prompt: torch.Tensor, capacity: int, target_cache: Cache, draft_cache: Cache | None
+    ) -> None:
         self.buf = torch.empty(1, capacity, dtype=torch.long, device=prompt.device)
         self.buf[0, : prompt.numel()] = prompt
         self.prompt_length = prompt.numel()
         self.n = prompt.numel()
-        self.target_cache: Cache | None = None
+        self.target_cache = target_cache
         self.target_length = 0
-        self.draft_cache: Cache | None = None
+        self.draft_cache = draft_cache
         self.draft_length = 0
         self.finished = False
         self.stats = DecodingStats(sequences=1)
@@ -199,6 +211,7 @@ def autoregressive(
     eos_token_id: int | Sequence[int] | None,
     vocab_size: int,
     generator: torch.Generator | None = None,
+    cache_implementation: str = "dynamic",
 ) -> GenerationResult:
     """Plain target decoding with the engine's sampling and statistics: the baseline of `speedup`.
 
@@ -210,19 +223,23 @@ def autoregressive(
         eos_token_id: id (or ids) that end generation; None for none.
         vocab_size: the tokenizer's real vocabulary; logits beyond it (padding rows) are dropped.
         generator: seeded generator on the model's device (required unless greedy).
+        cache_implementation: `"dynamic"` or `"static"` KV cache (`specdistill.models.cache.new_cache`).
     """
     check_model_covers_vocab("target", target, vocab_size)
     _check_max_new_tokens(max_new_tokens)
+    _check_cache_implementation(cache_implementation)
     device = _model_device(target)
     _check_generator(generator, sampling, device)
     eos = _eos_set(eos_token_id)
     prompt = _prompt_tensor(prompt_ids, device, vocab_size)
-    seq = _Sequence(prompt, prompt.numel() + max_new_tokens)
+    capacity = prompt.numel() + max_new_tokens
+    seq = _Sequence(prompt, capacity, new_cache(target, cache_implementation, capacity), None)
     greedy = sampling.is_greedy
     start = time.perf_counter()
     while seq.n - seq.prompt_length < max_new_tokens and not seq.finished:
         out, seq.target_cache = _forward(target, seq.buf[:, seq.target_length : seq.n], seq.target_cache, 1)
         seq.target_length = seq.n
+        crop_cache(seq.target_cache, seq.target_length)  # keeps sliding-window layers at their window
         seq.stats.target_forwards += 1
         logits = out.logits[0, -1, :vocab_size]
         if greedy:
@@ -250,6 +267,8 @@ class SpeculativeDecoder:
         vocab_size: the tokenizer's real vocabulary: logits are compared on `[..., :vocab_size]` only.
         max_draft_length: most candidates per round (20 as in SpecDec++), further capped by the remaining token
             budget; must be >= the policy's `min_draft_length`. The only upper bound on the draft length.
+        cache_implementation: `"dynamic"` (default) or `"static"` KV caches for both models
+            (`specdistill.models.cache.new_cache`).
     """
 
     def __init__(
@@ -262,15 +281,18 @@ class SpeculativeDecoder:
         vocab_size: int,
         *,
         max_draft_length: int = 20,
+        cache_implementation: str = "dynamic",
     ) -> None:
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
             raise ValueError(f"vocab_size must be a positive int (len(tokenizer)), got {vocab_size!r}")
         check_model_covers_vocab("target", target, vocab_size)
         check_model_covers_vocab("draft", draft, vocab_size)
-        self.device = _model_device(target)
-        if _model_device(draft) != self.device:
+        # A target placed across devices (device_map) takes its inputs anywhere and returns its logits there.
+        self.device = _model_device(draft)
+        if not is_placed_across_devices(target) and _model_device(target) != self.device:
             raise ValueError(
-                f"draft is on {_model_device(draft)} but target on {self.device}: put both on one device."
+                f"draft is on {self.device} but target on {_model_device(target)}: put both on one device "
+                "(or load the target with a device_map)."
             )
         if not isinstance(policy, DraftPolicy):
             raise ValueError(f"policy must be a DraftPolicy, got {type(policy).__name__}")
@@ -282,6 +304,8 @@ class SpeculativeDecoder:
                 f"{type(policy).__name__}.min_draft_length must be an int in [1, max_draft_length = "
                 f"{max_draft_length}], got {min_length!r}"
             )
+        _check_cache_implementation(cache_implementation)
+        self.cache_implementation = cache_implementation
         self.max_draft_length = max_draft_length
         self.target = target
         self.draft = draft
@@ -313,7 +337,13 @@ class SpeculativeDecoder:
         _check_generator(generator, self.sampling, self.device)
         prompt = _prompt_tensor(prompt_ids, self.device, self.vocab_size)
         max_k = self.max_draft_length
-        seq = _Sequence(prompt, prompt.numel() + max_new_tokens + max_k + 2)
+        capacity = prompt.numel() + max_new_tokens + max_k + 2
+        seq = _Sequence(
+            prompt,
+            capacity,
+            new_cache(self.target, self.cache_implementation, capacity),
+            new_cache(self.draft, self.cache_implementation, capacity),
+        )
         self.policy.reset(max_k)
         start = time.perf_counter()
         excluded = 0.0
@@ -343,10 +373,7 @@ class SpeculativeDecoder:
             seq, k_cap, uniforms, generator
         )
         if probe_length is not None:  # drop the oracle's probe before the real verification
-            if seq.target_length == 0:
-                seq.target_cache = None
-            else:
-                crop_cache(seq.target_cache, seq.target_length)
+            crop_cache(seq.target_cache, seq.target_length)
         _sync(self.device)
         t1 = time.perf_counter()
         seq.stats.draft_time_s += t1 - t0 - probe_s
@@ -386,9 +413,8 @@ class SpeculativeDecoder:
         # Keep only what both models saw of the accepted prefix; caches must stay shorter than the sequence.
         seq.target_length = min(seq.target_length, n + min(accepted, k), seq.n - 1)
         crop_cache(seq.target_cache, seq.target_length)
-        if seq.draft_cache is not None:
-            seq.draft_length = min(seq.draft_length, n + accepted, seq.n - 1)
-            crop_cache(seq.draft_cache, seq.draft_length)
+        seq.draft_length = min(seq.draft_length, n + accepted, seq.n - 1)
+        crop_cache(seq.draft_cache, seq.draft_length)
         _sync(self.device)
         seq.stats.target_time_s += time.perf_counter() - t1
         return probe_s
@@ -455,7 +481,7 @@ class SpeculativeDecoder:
                 seq.draft_length = pos + 1
                 seq.stats.draft_forwards += 1
 
-    def _draft_forward(self, ids: torch.Tensor, cache: Cache | None, need_hidden: bool):
+    def _draft_forward(self, ids: torch.Tensor, cache: Cache, need_hidden: bool):
         """Run the draft on `ids`; return the last position's logits on the real vocabulary `(V,)`, its last hidden
         state `(H,)` if asked (else None), and the cache.
 

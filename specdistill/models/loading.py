@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,10 @@ class ModelSpec:
         trust_remote_code: run the repository's own modelling code; off unless the user turns it on.
         revision: hub revision (branch, tag or commit) for reproducible downloads.
         seed: seed for random initialisation when built from `config`.
+        device_map: place a frozen checkpoint across the node's devices (Hugging Face `device_map`: `"auto"`,
+            `"balanced"`, `"sequential"` or a module name -> device dict) for a target larger than one GPU; rollout
+            and evaluate use it, training stages refuse it (their Trainer's strategy places models: ZeRO-3).
+            Needs `accelerate`. None: the stage puts the whole model on its one device.
     """
 
     pretrained_model_name_or_path: str | None = None
@@ -34,6 +39,7 @@ class ModelSpec:
     trust_remote_code: bool = False
     revision: str | None = None
     seed: int = 0
+    device_map: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -45,6 +51,13 @@ class ModelSpec:
             )
         if self.pretrained_model_name_or_path is not None:
             self.pretrained_model_name_or_path = str(self.pretrained_model_name_or_path)
+        if self.device_map is not None and not self.is_pretrained:
+            raise ValueError(
+                "device_map places a checkpoint across devices; a model built from a config has no checkpoint "
+                "(set pretrained_model_name_or_path, or drop device_map)."
+            )
+        if self.device_map is not None and not isinstance(self.device_map, str | dict):
+            self.device_map = dict(self.device_map)  # a Hydra DictConfig
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -71,13 +84,20 @@ def load_model(spec: ModelSpec, vocab_size: int | None = None) -> PreTrainedMode
                 "export directory of an earlier stage, e.g. <run_dir>/export)."
             )
         log.info("loading %s (revision=%s, dtype=%s)", path, spec.revision, spec.dtype)
+        placement = {}
+        if spec.device_map is not None:
+            _check_accelerate()
+            placement["device_map"] = spec.device_map
         model = AutoModelForCausalLM.from_pretrained(
             str(local) if local.exists() else path,
             revision=spec.revision,
             dtype=spec.torch_dtype,
             trust_remote_code=spec.trust_remote_code,
             use_safetensors=True,
+            **placement,
         )
+        if spec.device_map is not None:
+            log.info("%s placed across devices: %s", path, getattr(model, "hf_device_map", spec.device_map))
         return materialize_cpu_weights(model)
     kwargs = dict(spec.config)
     model_type = kwargs.pop("model_type", None)
@@ -92,6 +112,16 @@ def load_model(spec: ModelSpec, vocab_size: int | None = None) -> PreTrainedMode
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(config, dtype=spec.torch_dtype)
     return model
+
+
+def _check_accelerate() -> None:
+    if importlib.util.find_spec("accelerate") is None:
+        raise ValueError("device_map needs the accelerate package: pip install accelerate")
+
+
+def is_placed_across_devices(model: torch.nn.Module) -> bool:
+    """Whether `model` was loaded with a `device_map` (its modules sit on their own devices: never `.to()` it)."""
+    return getattr(model, "hf_device_map", None) is not None
 
 
 @torch.no_grad()

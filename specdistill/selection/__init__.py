@@ -2,7 +2,8 @@
 
 - `selectors`: pure functions of per-token scores (`AdaSpecSelector`, `RandomSelector`, `DraftLossSelector`,
   `NoSelector`), built on the exact top-fraction functions of `topk`.
-- `reference`: where AdaSPEC's D(p, r) comes from (`OnlineReference`, `CachedReferenceScores`) and the score cache.
+- `reference`: where AdaSPEC's D(p, r) comes from (`OnlineReference`, `CachedReferenceScores`,
+  `ScoreOnceReference`) and the score cache.
 - `scoring`: the scoring pass over a dataloader and the per-example storage format.
 """
 
@@ -11,6 +12,7 @@ from specdistill.selection.reference import (
     CachedReferenceScores,
     OnlineReference,
     ReferenceScores,
+    ScoreOnceReference,
     cached_reference_scores,
 )
 from specdistill.selection.selectors import (
@@ -29,6 +31,7 @@ __all__ = [
     "OnlineReference",
     "RandomSelector",
     "ReferenceScores",
+    "ScoreOnceReference",
     "Selection",
     "SelectionRecord",
     "Selector",

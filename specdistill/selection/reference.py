@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,59 @@ class CachedReferenceScores(ReferenceScores):
         return cached.to(answer_mask.device, torch.float32)[answer_mask]
 
 
+class ScoreOnceReference(CachedReferenceScores):
+    """`CachedReferenceScores` that computes the cache itself, once, where the Trainer placed the models.
+
+    At fit start (`place`) the reference is placed like the target (the strategy's device, or ZeRO-3 shards), the
+    train split is scored by all ranks together (`cached_reference_scores`), the column is attached to the train
+    split before its dataloader is built, and the reference is released; training then reads the column.
+
+    Args:
+        model: the frozen reference r.
+        divergence: the training divergence D.  vocab_size: the tokenizer's real vocabulary.
+        path: where the scores are saved (and reused from by a later run with the same inputs).
+        datamodule: the `TaskDataModule` whose train split is scored and receives the column.
+        target: the frozen target, when the module trains without one (a cached target distribution): placed here
+            like the reference and released after scoring. None: the module's own target.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        divergence: Divergence,
+        vocab_size: int,
+        path: Path,
+        datamodule: Any,
+        target: nn.Module | None = None,
+    ) -> None:
+        self._frozen: Frozen | None = Frozen(model)
+        self._target: Frozen | None = Frozen(target) if target is not None else None
+        self.divergence = divergence
+        self.vocab_size = vocab_size
+        self.path = Path(path)
+        self.datamodule = datamodule
+
+    def place(self, trainer: Any) -> None:
+        if self._frozen is None:  # scored already
+            return
+        reference = self._frozen.place(trainer).model
+        if self._target is not None:
+            target = self._target.place(trainer).model
+        else:
+            target = trainer.lightning_module.target  # placed by the module just before its reference
+        rows = cached_reference_scores(
+            self.path, target, reference, self.datamodule, self.divergence, self.vocab_size
+        )
+        self.datamodule.attach_column("train", CACHED_COLUMN, rows)
+        self._frozen = self._target = None
+
+    def to(self, device: torch.device | str) -> None:
+        if self._frozen is not None:
+            raise ValueError(
+                "ScoreOnceReference scores at fit start under a Trainer; without one use OnlineReference"
+            )
+
+
 def cached_reference_scores(
     path: Path,
     target: nn.Module,
@@ -151,11 +205,56 @@ def cached_reference_scores(
     if meta.is_file() and json.loads(meta.read_text()) == key:
         log.info("reusing cached reference scores from %s", path)
         return datasets.load_from_disk(str(path)).data.column(CACHED_COLUMN).to_pylist()
-    log.info("scoring %d train examples with the reference (once)", len(train))
+    rank, world_size = _rank_and_world_size()
+    log.info("scoring %d train examples with the reference (once, %d rank(s))", len(train), world_size)
     loader = datamodule.scoring_dataloader("train")
-    scores = score_reference(target, reference, loader, divergence, vocab_size)
-    rows = [scores[i] for i in range(len(train))]
-    columns = {"example_id": list(range(len(rows))), CACHED_COLUMN: rows}
-    datasets.Dataset.from_dict(columns).save_to_disk(str(path))
-    meta.write_text(json.dumps(key))
-    return rows
+    # a datamodule attached to a multi-device Trainer already gives each rank its shard (equal lengths)
+    sharded = getattr(loader.sampler, "num_replicas", 1) > 1
+    scores = score_reference(
+        target, reference, loader, divergence, vocab_size,
+        rank=0 if sharded else rank, world_size=1 if sharded else world_size, progress=True,
+    )  # fmt: skip
+    if world_size > 1:
+        scores = _merge_across_ranks(path, scores, rank, world_size)
+    if rank == 0:
+        missing = [i for i in range(len(train)) if i not in scores]
+        if missing:
+            raise RuntimeError(
+                f"reference scoring left {len(missing)} train examples unscored, e.g. {missing[:5]}"
+            )
+        rows = [scores[i] for i in range(len(train))]
+        columns = {"example_id": list(range(len(rows))), CACHED_COLUMN: rows}
+        datasets.Dataset.from_dict(columns).save_to_disk(str(path))
+        meta.write_text(json.dumps(key))
+    if world_size > 1:
+        torch.distributed.barrier()  # rank 0 has written the one set of scores
+    return datasets.load_from_disk(str(path)).data.column(CACHED_COLUMN).to_pylist()
+
+
+def _rank_and_world_size() -> tuple[int, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _merge_across_ranks(
+    path: Path, scores: dict[int, list[float]], rank: int, world_size: int
+) -> dict[int, list[float]]:
+    """Each rank writes its shard beside `path`; rank 0 reads them all (examples scored twice keep one copy).
+
+    Returns the merged scores on rank 0 and this rank's own elsewhere. Files, not collectives, carry the rows: a
+    shard of a large train split would not fit a gather of Python objects comfortably.
+    """
+    shards = path.with_name(path.name + "_shards")
+    shards.mkdir(parents=True, exist_ok=True)
+    (shards / f"rank{rank}.json").write_text(json.dumps({str(k): v for k, v in scores.items()}))
+    torch.distributed.barrier()
+    if rank != 0:
+        return scores
+    merged: dict[int, list[float]] = {}
+    for other in range(world_size):
+        for key, row in json.loads((shards / f"rank{other}.json").read_text()).items():
+            merged.setdefault(int(key), row)
+    shutil.rmtree(shards)
+    return merged

@@ -9,11 +9,13 @@ and reloads them, and `CachedReferenceScores` reads the column during training (
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from specdistill.losses.answers import answer_mask
 from specdistill.losses.divergence import Divergence
@@ -39,29 +41,54 @@ def score_reference(
     dataloader: Iterable[Mapping[str, Any]],
     divergence: Divergence,
     vocab_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+    progress: bool = False,
 ) -> dict[int, list[float]]:
-    """Score every example of `dataloader` with the reference: `{example_id: [D(p, r) per shifted position]}`.
+    """Score the examples of `dataloader` with the reference: `{example_id: [D(p, r) per shifted position]}`.
 
-    Use the same divergence as the AdaSPEC training (the gap is D(p, q) - D(p, r)). Models must already be on the
-    batches' device; they are put in eval mode. Each row has the example's real length minus one (see module doc).
+    Use the same divergence as the AdaSPEC training (the gap is D(p, q) - D(p, r)). Models must already be where
+    they run (the batches follow the target's first parameter); they are put in eval mode. Each row has the
+    example's real length minus one (see module doc).
+
+    With `world_size > 1` this rank scores batches `rank, rank + world_size, ...` only. Every rank runs the same
+    number of forward passes (one that has fewer batches repeats its last, discarded): frozen models sharded with
+    ZeRO-3 gather their weights collectively, so a rank that stopped early would hang the others.
     """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must lie in [0, world_size = {world_size}), got {rank}")
     target.eval()
     reference.eval()
+    rounds = math.ceil(len(dataloader) / world_size)
     scores: dict[int, list[float]] = {}
     device = next(target.parameters()).device
-    for batch in dataloader:
-        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-        values = score_batch(target, reference, batch, divergence, vocab_size).cpu()
-        lengths = batch["attention_mask"].sum(dim=1).cpu()
+    bar = tqdm(total=rounds, desc="reference scores", unit="batch", disable=not progress or rank != 0)
+    done, last = 0, None
+    for index, batch in enumerate(dataloader):
+        if index % world_size != rank:
+            continue
+        last = _to(batch, device)
+        values = score_batch(target, reference, last, divergence, vocab_size).cpu()
+        lengths = last["attention_mask"].sum(dim=1).cpu()
         for example_id, row, length in zip(
-            batch["example_id"].tolist(), values, lengths.tolist(), strict=True
+            last["example_id"].tolist(), values, lengths.tolist(), strict=True
         ):
             if example_id in scores:
                 raise ValueError(
                     f"example_id {example_id} appears twice in the dataloader; ids must be unique"
                 )
             scores[int(example_id)] = row[: max(int(length) - 1, 0)].tolist()
+        done += 1
+        bar.update()
+    for _ in range(rounds - done):  # keep step with the other ranks; the result is discarded
+        score_batch(target, reference, last or _to(next(iter(dataloader)), device), divergence, vocab_size)
+        bar.update()
+    bar.close()
     return scores
+
+
+def _to(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 def pad_scores(rows: Sequence[Sequence[float]], length: int) -> torch.Tensor:

@@ -3,9 +3,10 @@
 Three models: the frozen target, the frozen reference (the `distill` stage's export, by path) and the trainable
 draft, initialised from the *base* draft checkpoint. The selector (`conf/selector/`) keeps the fraction `adaspec.k`
 of answer tokens; the reference's per-token divergence comes from the online reference or, with
-`adaspec.cached_scores` (default), from one scoring pass saved beside the run (`reference_scores/`). With
-`adaspec.cached_target=<m>` the target's top-m answer distributions are cached once (`target_cache/`) and training
-runs without the target model (docs/METHODS.md section 2, "Cached target distributions").
+`adaspec.cached_scores` (default), from one scoring pass saved beside the run (`reference_scores/`), run at fit start
+where the Trainer's strategy put the target, each rank scoring a shard. With `adaspec.cached_target=<m>` the
+target's top-m answer distributions are cached once (`target_cache/`) and training runs without the target model
+(docs/METHODS.md section 2, "Cached target distributions").
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from specdistill.callbacks.token_selection import SelectionReport
 from specdistill.data.target_cache import CachedTarget, build_target_cache, model_identity
 from specdistill.models import ModelSpec
 from specdistill.modules.distill import DistillModule
-from specdistill.selection.reference import CachedReferenceScores, OnlineReference, cached_reference_scores
+from specdistill.selection.reference import OnlineReference, ScoreOnceReference
 from specdistill.selection.topk import check_fraction
 from specdistill.stages.build import (
     build_trainer,
@@ -68,16 +69,12 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     selector = instantiate(cfg.selector, k=k)
     reference = None
     if selector.needs_reference and settings.cached_scores:
-        rows = cached_reference_scores(
-            out_dir / "reference_scores",
-            models["target"],
-            models["reference"],
-            datamodule,
-            divergence,
-            vocab_size,
-        )
-        datamodule.attach_column("train", "ref_divergence", rows)
-        reference = CachedReferenceScores()
+        # scored at fit start, on the devices the Trainer gives the target, every rank a shard of the train split
+        # with a cached target the module holds no target model: the scoring pass gets its own, released after it
+        reference = ScoreOnceReference(
+            models["reference"], divergence, vocab_size, out_dir / "reference_scores", datamodule,
+            target=models["target"] if settings.get("cached_target") else None,
+        )  # fmt: skip
     elif selector.needs_reference:
         reference = OnlineReference(models["reference"], divergence, vocab_size)
     target = models.pop("target")

@@ -23,6 +23,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from specdistill.data.datamodule import TaskDataModule
 from specdistill.export.hf import export_pretrained
 from specdistill.models import ModelSpec, check_model_covers_vocab, check_same_tokenizer, freeze, load_model
+from specdistill.models.loading import is_placed_across_devices
 from specdistill.models.tokenizer import ensure_pad_token, load_tokenizer
 from specdistill.utils.cluster import scaleout_callbacks
 from specdistill.utils.strategy import check_devices, full_weights
@@ -55,9 +56,19 @@ def shared_tokenizer(cfg: DictConfig, specs: dict[str, ModelSpec]) -> PreTrained
 
 
 def load_models(
-    cfg: DictConfig, specs: dict[str, ModelSpec]
+    cfg: DictConfig, specs: dict[str, ModelSpec], placed_roles: tuple[str, ...] = ()
 ) -> tuple[PreTrainedTokenizerBase, dict[str, PreTrainedModel], int]:
-    """Load the tokenizer and each model once; return `(tokenizer, models, real_vocab_size)`."""
+    """Load the tokenizer and each model once; return `(tokenizer, models, real_vocab_size)`.
+
+    Only the roles in `placed_roles` may carry a `device_map` (frozen models of stages that place them themselves).
+    """
+    for role, spec in specs.items():
+        if spec.device_map is not None and role not in placed_roles:
+            raise ValueError(
+                f"the {role} has a device_map, which only rollout and evaluate use (for their frozen target). "
+                "Training stages place their models with the Trainer's strategy: drop the device_map and use "
+                "trainer=deepspeed_zero3 for a target larger than one GPU."
+            )
     tokenizer = shared_tokenizer(cfg, specs)
     vocab_size = len(tokenizer)
     models = {}
@@ -87,10 +98,14 @@ def load_frozen_target_and_drafts(
     cfg: DictConfig, drafts: dict[str, ModelSpec], device: torch.device
 ) -> tuple[PreTrainedTokenizerBase, PreTrainedModel, dict[str, PreTrainedModel], int]:
     """For stages without training (rollout, evaluate): `(tokenizer, target, drafts, vocab_size)`, all frozen on
-    `device`, after the same tokenizer checks as every other stage."""
-    tokenizer, models, vocab_size = load_models(cfg, {"target": model_spec(cfg.models.target), **drafts})
+    `device` (a target loaded with `models.target.device_map` stays where it was placed), after the same tokenizer
+    checks as every other stage."""
+    specs = {"target": model_spec(cfg.models.target), **drafts}
+    tokenizer, models, vocab_size = load_models(cfg, specs, placed_roles=("target",))
     for model in models.values():
-        freeze(model).to(device)
+        freeze(model)
+        if not is_placed_across_devices(model):
+            model.to(device)
     target = models.pop("target")
     return tokenizer, target, models, vocab_size
 
