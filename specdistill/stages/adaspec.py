@@ -8,6 +8,7 @@ of answer tokens; the reference's per-token divergence comes from the online ref
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -29,15 +30,42 @@ from specdistill.stages.build import (
     write_result,
 )
 from specdistill.stages.distill import train_and_export
+from specdistill.utils.batching import BatchPlan, batch_plan, matched_max_steps, world_size
+
+log = logging.getLogger(__name__)
 
 
 def compute_matched(settings: DictConfig, trainer_cfg: DictConfig, k: float) -> tuple[DictConfig, DictConfig]:
-    """The authors' compute-matched protocol: batch / k and epochs / k, so optimizer steps and loss tokens match."""
+    """The authors' compute-matched protocol: global batch and micro-batch / k (k = 0.4: 16 -> 40 and 2 -> 5 per
+    device), so every optimizer step sees the baseline's number of kept tokens.
+
+    The step count is set by `matched_steps` once the training set's size is known. Only when the stage states its
+    own `max_steps` (e.g. the tiny pair's tuning) does that cap stay, with epochs / k rounded up as before.
+    """
     settings, trainer_cfg = settings.copy(), trainer_cfg.copy()
     with open_dict(settings), open_dict(trainer_cfg):
         settings.batch_size = math.ceil(settings.batch_size / k)
+        if settings.get("micro_batch_size"):
+            settings.micro_batch_size = math.ceil(settings.micro_batch_size / k)
         trainer_cfg.max_epochs = math.ceil(trainer_cfg.max_epochs / k)
     return settings, trainer_cfg
+
+
+def matched_steps(
+    baseline: BatchPlan, baseline_epochs: int, num_examples: int, trainer_cfg: DictConfig
+) -> None:
+    """Train exactly the baseline's optimizer steps (`matched_max_steps`: `baseline_epochs` epochs at the baseline's
+    plan) unless `trainer_cfg` already caps the steps; epochs then stop bounding the run (the last one is partial:
+    k = 0.4 gives 7.5 epochs, where whole epochs would give 8, 6.7% more steps than the baseline)."""
+    if trainer_cfg.get("max_steps", -1) not in (None, -1):
+        log.info("compute matching keeps the stage's own max_steps=%s", trainer_cfg.max_steps)
+        return
+    steps = matched_max_steps(num_examples, baseline, baseline_epochs)
+    with open_dict(trainer_cfg):
+        trainer_cfg.max_steps = steps
+        trainer_cfg.max_epochs = -1
+    log.info("compute matched: %d optimizer steps, as %d epochs of the baseline's batch plan %s", steps,
+             baseline_epochs, baseline)  # fmt: skip
 
 
 def run(cfg: DictConfig, out_dir: Path) -> dict:
@@ -49,7 +77,13 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         )
     k = check_fraction(settings.k)
     trainer_cfg = trainer_config(cfg, "adaspec")
+    baseline = None
     if settings.compute_matched:
+        baseline = batch_plan(
+            int(settings.batch_size), world_size(trainer_cfg), settings.get("micro_batch_size"),
+            trainer_cfg.get("accumulate_grad_batches"),
+        )  # fmt: skip
+        baseline_epochs = int(trainer_cfg.max_epochs)
         settings, trainer_cfg = compute_matched(settings, trainer_cfg, k)
     seed_everything(cfg)
     specs = {
@@ -59,8 +93,10 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         ),
         "draft": model_spec(cfg.models.draft),
     }
-    tokenizer, models, vocab_size = load_models(cfg, specs)
+    tokenizer, models, vocab_size = load_models(cfg, specs, trainable=("draft",))
     datamodule = training_datamodule(cfg, tokenizer, settings, trainer_cfg)
+    if baseline is not None:
+        matched_steps(baseline, baseline_epochs, len(datamodule.tokenized("train")), trainer_cfg)
     divergence = instantiate(cfg.divergence)
     selector = instantiate(cfg.selector, k=k)
     reference = None

@@ -33,7 +33,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     trainer_cfg = trainer_config(cfg, "distill")
     seed_everything(cfg)
     specs = {"target": model_spec(cfg.models.target), "draft": model_spec(cfg.models.draft)}
-    tokenizer, models, vocab_size = load_models(cfg, specs)
+    tokenizer, models, vocab_size = load_models(cfg, specs, trainable=("draft",))
     datamodule = training_datamodule(cfg, tokenizer, settings, trainer_cfg)
     module = DistillModule(
         draft=models["draft"],

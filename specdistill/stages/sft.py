@@ -27,7 +27,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     settings = cfg.sft
     trainer_cfg = trainer_config(cfg, "sft")
     seed_everything(cfg)
-    tokenizer, models, _ = load_models(cfg, {"target": model_spec(cfg.models.target)})
+    tokenizer, models, _ = load_models(cfg, {"target": model_spec(cfg.models.target)}, trainable=("target",))
     datamodule = training_datamodule(cfg, tokenizer, settings, trainer_cfg)
     module = SFTModule(
         model=models["target"],
