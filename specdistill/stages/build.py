@@ -178,7 +178,9 @@ def trainer_config(cfg: DictConfig, stage: str) -> DictConfig:
     user types (`trainer.max_steps=7`) reaches the Lightning Trainer of every stage.
     """
     # merged into a fresh (non-struct) node, so a stage block may add keys the preset does not list
-    merged = OmegaConf.merge(OmegaConf.create(), cfg.trainer, cfg[stage].get("trainer") or {})
+    # (the stage's block resolved in place first: it may interpolate stage keys, e.g. `${adaspec.optimal_epochs}`)
+    stage_block = OmegaConf.to_container(cfg[stage].get("trainer") or OmegaConf.create(), resolve=True)
+    merged = OmegaConf.merge(OmegaConf.create(), cfg.trainer, stage_block)
     for key in command_line_trainer_keys():
         OmegaConf.update(merged, key.removeprefix("trainer."), OmegaConf.select(cfg, key), force_add=True)
     if merged.get("max_epochs") is None and merged.get("max_steps", -1) in (None, -1):
