@@ -17,12 +17,15 @@ any precision is accepted.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import lightning as L
 import torch
 
 from specdistill.models.loading import ModelSpec
+
+log = logging.getLogger(__name__)
 
 # Lightning precisions that convert the module's parameters to 16 bits (the `-mixed` ones autocast, keeping fp32)
 HALF_PARAMETER_PRECISIONS = ("bf16-true", "16-true")
@@ -68,6 +71,7 @@ class MasterWeightsCheck(L.Callback):
             return
         if _is_deepspeed(trainer):
             _check_deepspeed_master_weights(trainer)
+            log.info("fp32 master weights: held by the DeepSpeed ZeRO optimizer")
             return
         half = half_trainable_parameters(pl_module)
         if half:
@@ -76,6 +80,7 @@ class MasterWeightsCheck(L.Callback):
                 "16-bit weights. Load the trained role in float32 (specdistill.models.precision.trainable_spec) "
                 "and train under trainer.precision=bf16-mixed, " + PURE_BF16_HINT
             )
+        log.info("fp32 master weights: every trainable parameter is float32")
 
 
 def _is_deepspeed(trainer: L.Trainer) -> bool:
