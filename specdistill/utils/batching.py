@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from specdistill.utils.strategy import _requested_devices as requested_devices
+
 
 @dataclass(frozen=True)
 class BatchPlan:
@@ -102,16 +104,11 @@ def world_size(trainer_cfg: Mapping[str, Any]) -> int:
     """Processes a trainer config will run: devices per node x nodes (`auto`/-1: every visible GPU, 1 on CPU)."""
     devices = trainer_cfg.get("devices", "auto")
     num_nodes = int(trainer_cfg.get("num_nodes", 1) or 1)
-    accelerator = str(trainer_cfg.get("accelerator", "auto"))
-    if devices in (None, "auto", -1, "-1"):
+    per_node = requested_devices(devices)  # the parser check_devices uses
+    if per_node is None:  # auto / -1: every visible GPU, or one CPU process
+        accelerator = str(trainer_cfg.get("accelerator", "auto"))
         gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
         per_node = max(torch.cuda.device_count(), 1) if gpu else 1
-    elif isinstance(devices, str):
-        per_node = len([d for d in devices.split(",") if d.strip()]) if "," in devices else int(devices)
-    elif isinstance(devices, int):
-        per_node = devices
-    else:
-        per_node = len(list(devices))
     return per_node * num_nodes
 
 
