@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from specdistill.tasks.base import Record
 from specdistill.tasks.rouge_task import RougeTask
+from specdistill.tasks.specdecpp_prompts import alpaca_prompt
 
 PROMPT_WITH_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "
@@ -28,8 +29,11 @@ class Alpaca(RougeTask):
     default_config_name = None
     default_splits = {"train": "train", "validation": None, "test": None}
     default_holdout = {"validation": 200, "test": 500}
+    prompt_styles = ("default", "specdecpp")
 
     def prompt(self, record: Record) -> str:
+        if self.prompt_style == "specdecpp":
+            return alpaca_prompt(record["instruction"], record.get("input"))
         template = PROMPT_WITH_INPUT if (record.get("input") or "").strip() else PROMPT_NO_INPUT
         return template.format(instruction=record["instruction"], input=record.get("input") or "")
 

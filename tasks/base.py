@@ -60,6 +60,8 @@ class Task:
         max_examples: keep only the first N records of a split: an int for every split or a mapping per split.
         chat_template: render prompts with the tokenizer's chat template (multi-turn tasks).
         revision: hub revision (branch, tag or commit) for reproducible downloads.
+        prompt_style: one of the task's `prompt_styles`: "default", or e.g. "specdecpp" (SpecDec++'s
+            Llama-2-chat templates, tasks/specdecpp_prompts.py) for the tasks that have it.
     """
 
     name: ClassVar[str] = "task"
@@ -74,6 +76,7 @@ class Task:
     }
     default_holdout: ClassVar[dict[str, int]] = {}
     default_chat_template: ClassVar[bool] = False
+    prompt_styles: ClassVar[tuple[str, ...]] = ("default",)
 
     def __init__(
         self,
@@ -86,7 +89,13 @@ class Task:
         max_examples: int | Mapping[str, int | None] | None = None,
         chat_template: bool | None = None,
         revision: str | None = None,
+        prompt_style: str = "default",
     ) -> None:
+        if prompt_style not in self.prompt_styles:
+            raise ValueError(
+                f"task {type(self).name!r} has no prompt_style {prompt_style!r}; it has {list(self.prompt_styles)}"
+            )
+        self.prompt_style = prompt_style
         self.name = name or type(self).name
         self.path = path or self.default_path
         self.config_name = config_name or self.default_config_name

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from specdistill.tasks import specdecpp_prompts
 from specdistill.tasks.base import Record, Task
 from specdistill.tasks.metrics import NUMBER, normalise_number
 
@@ -55,8 +56,11 @@ class GSM8K(Task):
     default_config_name = "main"
     default_splits = {"train": "train", "validation": None, "test": "test"}
     default_holdout = {"validation": 200}
+    prompt_styles = ("default", "specdecpp")
 
     def prompt(self, record: Record) -> str:
+        if self.prompt_style == "specdecpp":
+            return specdecpp_prompts.gsm8k_prompt(record["question"])
         return gsm8k_prompt(record["question"])
 
     def answer(self, record: Record) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from specdistill.tasks.base import Record
 from specdistill.tasks.code_task import CodeTask, strip_code_fence
+from specdistill.tasks.specdecpp_prompts import humaneval_prompt
 
 # the Codex paper's stop sequences: a completion ends where top-level code would start again
 STOP_SEQUENCES = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
@@ -20,8 +21,11 @@ class HumanEval(CodeTask):
     default_path = "openai/openai_humaneval"
     default_config_name = None
     default_splits = {"train": None, "validation": None, "test": "test"}
+    prompt_styles = ("default", "specdecpp")
 
     def prompt(self, record: Record) -> str:
+        if self.prompt_style == "specdecpp":
+            return humaneval_prompt(record["prompt"])
         return record["prompt"]
 
     def answer(self, record: Record) -> str:

@@ -43,7 +43,7 @@ def test_the_installed_console_script_trains_from_another_directory(installed: P
         tmp_path,
     )
     assert where.returncode == 0 and "site-packages" in where.stdout and str(ROOT) not in where.stdout
-    no_tasks = run_in(installed, [str(installed / "python"), "-c", "import tasks"], tmp_path)
+    no_tasks = run_in(installed, [str(installed / "python"), "-c", "import specdistill.tasks"], tmp_path)
     assert no_tasks.returncode != 0 and "No module named 'tasks'" in no_tasks.stderr
 
     composed = run_in(
@@ -88,7 +88,7 @@ def test_no_module_imports_the_top_level_tasks_package():
         for folder in ("specdistill", "tasks", "tests", "benchmarks")
         for path in (ROOT / folder).rglob("*.py")
         if "specdistill/tasks" not in path.as_posix() and any(
-            line.startswith(("from tasks", "import tasks")) for line in path.read_text().splitlines()
+            line.startswith(("from tasks", "import specdistill.tasks")) for line in path.read_text().splitlines()
         )
     ]  # fmt: skip
     assert not offenders, f"import specdistill.tasks instead of tasks in {offenders}"

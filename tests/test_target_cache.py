@@ -16,7 +16,7 @@ from specdistill.losses import JSD, TVD, ForwardKL, ReverseKL
 from specdistill.losses.rows import LogitRows
 from specdistill.losses.sparse import SparseRows, top_m
 from specdistill.modules import DistillModule
-from tasks.arith import Arith
+from specdistill.tasks.arith import Arith
 
 DIVERGENCES = [ForwardKL(), ReverseKL(), JSD(beta=0.3), TVD()]
 

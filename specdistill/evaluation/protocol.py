@@ -11,6 +11,9 @@
    given training-free `policies` in their order (e.g. heuristic, confidence, entropy, oracle), and every head
    policy of the grid, `<draft>/<draft>_acceptance_head_h{h}` (`_newest` suffix for newest-candidate scoring). Every
    engine, in selection and test, gets the same bound `max_draft_length`.
+   With `acceptance_draft_length` = K0 (AdaSPEC's alpha, measured at one fixed draft length), every draft also runs
+   `<draft>/fixed_k{K0}` on the test split (if K0 is not already its chosen K), and `acceptance_at_fixed_length`
+   reports each draft's `acceptance_rate` there, beside the speed results.
 3. `policy_ratios`: tokens/s of each draft's chosen head policy over its chosen fixed K
    (`<draft>/acceptance_head_over_best_fixed_k`) and over its oracle (`<draft>/acceptance_head_over_oracle`, when a
    policy named "oracle" is given), the SpecDec++ comparison of docs/METHODS.md section 4. All head policies are on
@@ -83,6 +86,19 @@ def format_ratios(choices: Mapping[str, Mapping[str, Any]], ratios: Mapping[str,
     return "\n".join(lines)
 
 
+def acceptance_at_fixed_length(
+    report: Report, drafts: Sequence[str], draft_length: int
+) -> dict[str, float | None]:
+    """Per draft, `acceptance_rate` of its `fixed_k{draft_length}` entry: AdaSPEC's alpha at a fixed draft length."""
+    return {d: report.entry(f"{d}/fixed_k{draft_length}").stats.metrics()["acceptance_rate"] for d in drafts}
+
+
+def format_acceptance(alpha: Mapping[str, float | None], draft_length: int) -> str:
+    """One line: `acceptance_rate at fixed K = 4 (AdaSPEC's alpha): a 0.812, b 0.790`."""
+    values = ", ".join(f"{d} {'n/a' if v is None else f'{v:.3f}'}" for d, v in alpha.items())
+    return f"acceptance_rate at fixed K = {draft_length} (AdaSPEC's alpha): {values}"
+
+
 def evaluate_drafts(
     target: torch.nn.Module,
     drafts: Mapping[str, torch.nn.Module],
@@ -109,6 +125,7 @@ def evaluate_drafts(
     score_fn: ScoreFn | None = None,
     task_metric_name: str | None = None,
     eos_token_id: int | Sequence[int] | None = None,
+    acceptance_draft_length: int | None = None,
 ) -> EvaluationResult:
     """Choose K (and h) per draft on the selection split, then decode the test prompts with everything (module doc).
 
@@ -133,6 +150,8 @@ def evaluate_drafts(
         repeats / selection_repeats: timed passes over the test / selection prompts.
         score_fn / task_metric_name: the task metric of the test outputs (e.g. `task.score`, `task.metric_name`).
         eos_token_id: overrides the tokenizer's EOS.
+        acceptance_draft_length: the fixed K at which every draft's `acceptance_rate` is reported (AdaSPEC's
+            alpha; None: not reported).
     """
     unknown = sorted(set(heads) - set(drafts))
     if unknown:
@@ -151,6 +170,10 @@ def evaluate_drafts(
         fixed_name = f"fixed_k{best_k}"
         all_policies.setdefault(fixed_name, FixedLength(best_k))
         combinations.insert(0, (draft_name, fixed_name))
+        if acceptance_draft_length is not None and acceptance_draft_length != best_k:
+            alpha_name = f"fixed_k{acceptance_draft_length}"
+            all_policies.setdefault(alpha_name, FixedLength(acceptance_draft_length))
+            combinations.insert(1, (draft_name, alpha_name))
         head = heads.get(draft_name)
         if head is None:
             continue
@@ -171,4 +194,8 @@ def evaluate_drafts(
     report.settings["selection"] = {"split": selection_split, **choices}
     report.settings["ratios"] = ratios
     table = format_table(report) + "\n" + format_ratios(choices, ratios)
+    if acceptance_draft_length is not None:
+        alpha = acceptance_at_fixed_length(report, list(drafts), acceptance_draft_length)
+        report.settings["acceptance_at_fixed_length"] = {"draft_length": acceptance_draft_length, **alpha}
+        table += "\n" + format_acceptance(alpha, acceptance_draft_length)
     return EvaluationResult(report, choices, ratios, table)

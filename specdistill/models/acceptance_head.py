@@ -39,7 +39,9 @@ class ResidualBlock(nn.Module):
     """`x + SiLU(W x)`, width preserved.
 
     `W` starts at zero (as in Medusa, whose block the public SpecDec++ code copies) so that an untrained stack is the
-    identity and the final linear layer sees the draft's hidden state unchanged.
+    identity and the final linear layer sees the draft's hidden state unchanged. This is our choice: the public
+    SpecDec++ code has the zero init commented out (`specdec_pp/wrap_model.py`), so its blocks start from PyTorch's
+    default `nn.Linear` init.
     """
 
     def __init__(self, width: int) -> None:

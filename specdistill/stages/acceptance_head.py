@@ -23,6 +23,7 @@ from specdistill.stages.build import (
     logged_metrics,
     named_drafts,
     seed_everything,
+    stage_batch_plan,
     trainer_config,
     write_result,
 )
@@ -46,6 +47,8 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
             "(+acceptance_head.drafts.<draft>=<draft export directory>)"
         )
     trainer_cfg = trainer_config(cfg, "acceptance_head")
+    # acceptance_head.batch_size is the global batch; each device runs micro-batches of this size
+    micro_batch_size = stage_batch_plan(settings, trainer_cfg).micro_batch_size
     tokenizer, models, _ = load_models(cfg, {name: drafts[name] for name in rollouts})
     result: dict = {"stage": "acceptance_head", "heads": {}}
     for name, rollout_dir in rollouts.items():
@@ -60,12 +63,12 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
             hidden_cache = run_dir / "hidden_cache"
             build_hidden_cache(
                 draft, rollout_dir, hidden_cache, mixing_ratio=settings.mixing_ratio, seed=cfg.seed,
-                batch_size=settings.batch_size, pad_token_id=tokenizer.pad_token_id,
+                batch_size=micro_batch_size, pad_token_id=tokenizer.pad_token_id,
                 dtype=settings.hidden_cache_dtype, head_input=head.input, sampling=sampling,
             )  # fmt: skip
         datamodule = RolloutDataModule(
             rollout_dir=str(rollout_dir),
-            batch_size=settings.batch_size,
+            batch_size=micro_batch_size,
             mixing_ratio=settings.mixing_ratio,
             val_fraction=settings.val_fraction,
             seed=cfg.seed,

@@ -11,7 +11,9 @@ target's top-m answer distributions are cached once (`target_cache/`) and traini
 
 from __future__ import annotations
 
+import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from hydra.utils import instantiate
@@ -33,15 +35,58 @@ from specdistill.stages.build import (
     write_result,
 )
 from specdistill.stages.distill import train_and_export
+from specdistill.utils.batching import BatchPlan, batch_plan, matched_max_steps, world_size
+
+log = logging.getLogger(__name__)
+TRAINED_ROLES = ("draft",)  # loaded with fp32 master weights; target and reference stay frozen
 
 
-def compute_matched(settings: DictConfig, trainer_cfg: DictConfig, k: float) -> tuple[DictConfig, DictConfig]:
-    """The authors' compute-matched protocol: batch / k and epochs / k, so optimizer steps and loss tokens match."""
+@dataclass(frozen=True)
+class Baseline:
+    """The run AdaSPEC is matched to: the stage's own global batch plan and epochs, before scaling by 1/k."""
+
+    plan: BatchPlan
+    epochs: int
+
+
+def compute_matched(
+    settings: DictConfig, trainer_cfg: DictConfig, k: float
+) -> tuple[DictConfig, DictConfig, Baseline]:
+    """The authors' compute-matched protocol: global batch and micro-batch / k (k = 0.4: 16 -> 40 and 2 -> 5 per
+    device), so every optimizer step sees the baseline's number of kept tokens; returns the scaled copies and the
+    baseline (the unscaled batch plan on this world size, and the epochs).
+
+    The step count is set by `matched_steps` once the training set's size is known. Only when the stage states its
+    own `max_steps` (e.g. the tiny pair's tuning) does that cap stay, with epochs / k rounded up as before.
+    """
+    baseline = Baseline(
+        batch_plan(
+            int(settings.batch_size), world_size(trainer_cfg), settings.get("micro_batch_size"),
+            trainer_cfg.get("accumulate_grad_batches"),
+        ),
+        int(trainer_cfg.max_epochs),
+    )  # fmt: skip
     settings, trainer_cfg = settings.copy(), trainer_cfg.copy()
     with open_dict(settings), open_dict(trainer_cfg):
         settings.batch_size = math.ceil(settings.batch_size / k)
+        if settings.get("micro_batch_size"):
+            settings.micro_batch_size = math.ceil(settings.micro_batch_size / k)
         trainer_cfg.max_epochs = math.ceil(trainer_cfg.max_epochs / k)
-    return settings, trainer_cfg
+    return settings, trainer_cfg, baseline
+
+
+def matched_steps(baseline: Baseline, num_examples: int, trainer_cfg: DictConfig) -> None:
+    """Train exactly the baseline's optimizer steps (`matched_max_steps`) unless `trainer_cfg` already caps the steps;
+    epochs then stop bounding the run (the last one is partial: k = 0.4 gives 7.5 epochs, where whole epochs would
+    give 8, 6.7% more steps than the baseline)."""
+    if trainer_cfg.get("max_steps", -1) not in (None, -1):
+        log.info("compute matching keeps the stage's own max_steps=%s", trainer_cfg.max_steps)
+        return
+    steps = matched_max_steps(num_examples, baseline.plan, baseline.epochs)
+    with open_dict(trainer_cfg):
+        trainer_cfg.max_steps = steps
+        trainer_cfg.max_epochs = -1
+    log.info("compute matched: %d optimizer steps, as the baseline's %s", steps, baseline)
 
 
 def run(cfg: DictConfig, out_dir: Path) -> dict:
@@ -53,8 +98,9 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         )
     k = check_fraction(settings.k)
     trainer_cfg = trainer_config(cfg, "adaspec")
+    baseline = None
     if settings.compute_matched:
-        settings, trainer_cfg = compute_matched(settings, trainer_cfg, k)
+        settings, trainer_cfg, baseline = compute_matched(settings, trainer_cfg, k)
     seed_everything(cfg)
     specs = {
         "target": model_spec(cfg.models.target),
@@ -63,8 +109,10 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         ),
         "draft": model_spec(cfg.models.draft),
     }
-    tokenizer, models, vocab_size = load_models(cfg, specs)
+    tokenizer, models, vocab_size = load_models(cfg, specs, trainable=TRAINED_ROLES)
     datamodule = training_datamodule(cfg, tokenizer, settings, trainer_cfg)
+    if baseline is not None:
+        matched_steps(baseline, len(datamodule.tokenized("train")), trainer_cfg)
     divergence = instantiate(cfg.divergence)
     selector = instantiate(cfg.selector, k=k)
     reference = None

@@ -17,14 +17,16 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdistill.data.datamodule import TaskDataModule
 from specdistill.export.hf import export_pretrained
 from specdistill.models import ModelSpec, check_model_covers_vocab, check_same_tokenizer, freeze, load_model
 from specdistill.models.loading import is_placed_across_devices
+from specdistill.models.precision import MasterWeightsCheck, check_training_precision, trainable_spec
 from specdistill.models.tokenizer import ensure_pad_token, load_tokenizer
+from specdistill.utils.batching import BatchPlan, batch_plan, world_size
 from specdistill.utils.cluster import scaleout_callbacks
 from specdistill.utils.strategy import check_devices, full_weights
 from specdistill.utils.wandb_logger import log_export
@@ -56,11 +58,16 @@ def shared_tokenizer(cfg: DictConfig, specs: dict[str, ModelSpec]) -> PreTrained
 
 
 def load_models(
-    cfg: DictConfig, specs: dict[str, ModelSpec], placed_roles: tuple[str, ...] = ()
+    cfg: DictConfig,
+    specs: dict[str, ModelSpec],
+    trainable: tuple[str, ...] = (),
+    placed_roles: tuple[str, ...] = (),
 ) -> tuple[PreTrainedTokenizerBase, dict[str, PreTrainedModel], int]:
     """Load the tokenizer and each model once; return `(tokenizer, models, real_vocab_size)`.
 
-    Only the roles in `placed_roles` may carry a `device_map` (frozen models of stages that place them themselves).
+    The roles named in `trainable` load in float32 (fp32 master weights; bfloat16 only under `pure_bf16=true`),
+    whatever their spec's dtype, which is the dtype of the frozen roles (specdistill/models/precision.py). Only the
+    roles in `placed_roles` may carry a `device_map` (frozen models of stages that place them themselves).
     """
     for role, spec in specs.items():
         if spec.device_map is not None and role not in placed_roles:
@@ -73,6 +80,8 @@ def load_models(
     vocab_size = len(tokenizer)
     models = {}
     for role, spec in specs.items():
+        if role in trainable:
+            spec = trainable_spec(spec, pure_bf16=bool(cfg.get("pure_bf16", False)))
         model = load_model(spec, vocab_size=vocab_size)
         check_model_covers_vocab(role, model, vocab_size)
         models[role] = model
@@ -133,17 +142,37 @@ def build_datamodule(
     )
 
 
+def stage_batch_plan(settings: DictConfig, trainer_cfg: DictConfig) -> BatchPlan:
+    """Split the stage's global `batch_size` over the Trainer's devices (specdistill/utils/batching.py) and write the
+    derived gradient accumulation into `trainer_cfg`."""
+    plan = batch_plan(
+        int(settings.batch_size),
+        world_size(trainer_cfg),
+        settings.get("micro_batch_size"),
+        trainer_cfg.get("accumulate_grad_batches"),
+    )
+    with open_dict(trainer_cfg):
+        trainer_cfg.accumulate_grad_batches = plan.accumulate_grad_batches
+    log.info(
+        "global batch %d = %d devices x micro-batch %d x accumulation %d",
+        plan.global_batch_size, plan.world_size, plan.micro_batch_size, plan.accumulate_grad_batches,
+    )  # fmt: skip
+    return plan
+
+
 def training_datamodule(
     cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, settings: DictConfig, trainer_cfg: DictConfig
 ) -> TaskDataModule:
-    """The data module of a training stage: its batch sizes and length, the Trainer's gradient accumulation."""
+    """The data module of a training stage: its length and batch plan (`settings.batch_size` is the global batch;
+    the micro-batch and the Trainer's gradient accumulation follow from the world size, see `stage_batch_plan`)."""
+    plan = stage_batch_plan(settings, trainer_cfg)
     return build_datamodule(
         cfg,
         tokenizer,
         max_length=settings.max_length,
-        batch_size=settings.batch_size,
+        batch_size=plan.micro_batch_size,
         eval_batch_size=settings.get("eval_batch_size"),
-        accumulate_grad_batches=trainer_cfg.get("accumulate_grad_batches", 1),
+        accumulate_grad_batches=plan.accumulate_grad_batches,
     )
 
 
@@ -165,9 +194,17 @@ def trainer_config(cfg: DictConfig, stage: str) -> DictConfig:
     user types (`trainer.max_steps=7`) reaches the Lightning Trainer of every stage.
     """
     # merged into a fresh (non-struct) node, so a stage block may add keys the preset does not list
-    merged = OmegaConf.merge(OmegaConf.create(), cfg.trainer, cfg[stage].get("trainer") or {})
+    # (the stage's block resolved in place first: it may interpolate stage keys, e.g. `${adaspec.optimal_epochs}`)
+    stage_block = OmegaConf.to_container(cfg[stage].get("trainer") or OmegaConf.create(), resolve=True)
+    merged = OmegaConf.merge(OmegaConf.create(), cfg.trainer, stage_block)
     for key in command_line_trainer_keys():
         OmegaConf.update(merged, key.removeprefix("trainer."), OmegaConf.select(cfg, key), force_add=True)
+    if merged.get("max_epochs") is None and merged.get("max_steps", -1) in (None, -1):
+        raise ValueError(
+            f"the {stage} stage sets neither trainer.max_epochs nor trainer.max_steps (Lightning would train 1000 "
+            f"epochs): set {stage}.trainer.max_epochs; the optimal-epoch regime reads {stage}.optimal_epochs, "
+            f"which conf/tuning/<models>_<task>/{stage}.yaml gives for the pairs and tasks the paper ran"
+        )
     return merged
 
 
@@ -181,11 +218,14 @@ def build_trainer(
 ) -> L.Trainer:
     """A Lightning Trainer from `trainer_cfg` (see `trainer_config`), writing logs and checkpoints under `out_dir`.
 
-    Fails early on missing GPUs/nodes or another run's directory (specdistill/utils/cluster.py, strategy.py); saves
+    Fails early on missing GPUs/nodes or another run's directory (specdistill/utils/cluster.py, strategy.py), and on a
+    precision that would train 16-bit parameters (specdistill/models/precision.py; checked again at train start); saves
     `checkpoints/last.ckpt` every `checkpoint_every_n_steps` optimizer steps if asked, and on the cluster's signal.
     `select_best` (a validation metric, higher is better) also keeps `checkpoints/best.ckpt`: the optimal-epoch regime.
     """
     check_devices(trainer_cfg)
+    pure_bf16 = bool(cfg.get("pure_bf16", False))
+    check_training_precision(trainer_cfg.get("precision"), pure_bf16)
     scaleout = scaleout_callbacks(cfg, out_dir, stage)
     logger = instantiate(cfg.logger, save_dir=str(out_dir)) if cfg.get("logger") else False
     checkpoint = ModelCheckpoint(
@@ -204,7 +244,14 @@ def build_trainer(
         trainer_cfg,
         default_root_dir=str(out_dir),
         logger=logger,
-        callbacks=[checkpoint, *best, *lr_monitor, *scaleout, *(callbacks or [])],
+        callbacks=[
+            checkpoint,
+            *best,
+            *lr_monitor,
+            *scaleout,
+            MasterWeightsCheck(pure_bf16),
+            *(callbacks or []),
+        ],
     )
 
 

@@ -26,6 +26,7 @@ from specdistill.stages.build import (
 )
 
 VAL_METRICS = ["val/kl", "val/expected_acceptance"]
+TRAINED_ROLES = ("draft",)  # loaded with fp32 master weights; the target stays frozen
 
 
 def run(cfg: DictConfig, out_dir: Path) -> dict:
@@ -33,7 +34,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     trainer_cfg = trainer_config(cfg, "distill")
     seed_everything(cfg)
     specs = {"target": model_spec(cfg.models.target), "draft": model_spec(cfg.models.draft)}
-    tokenizer, models, vocab_size = load_models(cfg, specs)
+    tokenizer, models, vocab_size = load_models(cfg, specs, trainable=TRAINED_ROLES)
     datamodule = training_datamodule(cfg, tokenizer, settings, trainer_cfg)
     module = DistillModule(
         draft=models["draft"],

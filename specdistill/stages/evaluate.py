@@ -67,6 +67,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         repeats=settings.repeats,
         score_fn=task.score if task.scoring_available else None,
         task_metric_name=task.metric_name,
+        acceptance_draft_length=settings.get("acceptance_draft_length"),
     )
     result.report.save(out_dir)
     rows = [

@@ -22,12 +22,16 @@ from specdistill.stages.build import (
     write_result,
 )
 
+TRAINED_ROLES = ("target",)  # loaded with fp32 master weights
+
 
 def run(cfg: DictConfig, out_dir: Path) -> dict:
     settings = cfg.sft
     trainer_cfg = trainer_config(cfg, "sft")
     seed_everything(cfg)
-    tokenizer, models, _ = load_models(cfg, {"target": model_spec(cfg.models.target)})
+    tokenizer, models, _ = load_models(
+        cfg, {"target": model_spec(cfg.models.target)}, trainable=TRAINED_ROLES
+    )
     datamodule = training_datamodule(cfg, tokenizer, settings, trainer_cfg)
     module = SFTModule(
         model=models["target"],

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One-GPU check of what CPU CI cannot run: the `gpu`-marked tests (DeepSpeed ZeRO-2/3 end to end, fp32 master weights
+# under every GPU preset), then a paper preset shrunk to a few minutes on random weights of its architectures
+# (benchmarks/gpu_preset_step.py), printing per training stage the step time, peak memory and the achieved fraction
+# of the GPU's peak bf16 FLOP/s. Offline: no hub download is needed.
+#
+#   bash benchmarks/gpu_check.sh                     # about 10 minutes on one H100/H200
+#   STEPS=10 EXPERIMENT=adaspec_3epoch PAIR=codegen_350m_to_phi2 bash benchmarks/gpu_check.sh
+#   DRY_RUN=1 bash benchmarks/gpu_check.sh           # CPU: the gpu tests skip, the preset runs shrunken (wiring only)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline
+OUT=${OUT:-outputs/gpu_check}
+EXPERIMENT=${EXPERIMENT:-adaspec_3epoch}
+PAIR=${PAIR:-pythia_31m_to_1.4b}
+STEPS=${STEPS:-20}
+mkdir -p "$OUT"
+
+if [[ -n "${DRY_RUN:-}" ]]; then
+    preset_args=(--dry-run --steps 6 --warmup 2 --max-length 96)
+else
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    preset_args=(--steps "$STEPS")
+fi
+
+echo "== gpu-marked tests"
+status=0
+python -m pytest -q -m gpu tests/ 2>&1 | tee "$OUT/gpu_tests.txt" || status=$?
+
+echo "== $EXPERIMENT on $PAIR (random weights), $STEPS steps per training stage"
+python benchmarks/gpu_preset_step.py --experiment "$EXPERIMENT" --pair "$PAIR" "${preset_args[@]}" \
+    --out "$OUT/$EXPERIMENT" 2>&1 | tee "$OUT/preset.txt"
+echo "figures: $OUT/$EXPERIMENT/gpu_preset_step.json"
+exit "$status"  # the preset runs even when a test failed; the script still reports the failure
