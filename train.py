@@ -4,19 +4,29 @@
     python train.py stage=sft task=gsm8k models=pythia_31m_to_1.4b trainer=gpu
     python train.py -m stage=adaspec adaspec.reference=<distill_run>/export adaspec.k=0.2,0.4,0.8
 
-Compose `conf/train.yaml`, run the selected stage, return the metric a sweeper optimises, and always close the
-logger so that one failed job does not break a sweep.
+Compose `conf/train.yaml`, check the settings and the run folder before anything is loaded or written, record the
+run (`.hydra/`, `run_fingerprint.json`), run the selected stage, return the metric a sweeper optimises, and always
+close the logger so that one failed job does not break a sweep. A mistake the user can fix (`specdistill.errors`)
+ends in one or two lines and the error's exit code; `HYDRA_FULL_ERROR=1` shows the traceback.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
+
+from specdistill.errors import UserError
+from specdistill.utils.cluster import run_fingerprint
+from specdistill.utils.run_dir import check_stage_dir, write_record
+from specdistill.validation import validate_config
 
 log = logging.getLogger(__name__)
 
@@ -24,11 +34,35 @@ log = logging.getLogger(__name__)
 def run_stage(cfg: DictConfig) -> dict:
     """Run the stage that `cfg.stage` names, in the Hydra run directory, and return its result dictionary."""
     out_dir = Path(cfg.paths.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    validate_config(cfg)
+    # nothing is written into the folder before it is checked (the pipeline checks and records each step itself)
+    record = None
+    if cfg.stage.get("check"):
+        instantiate(cfg.stage.check)(cfg, out_dir)
+    else:
+        record = run_fingerprint(cfg)
+        check_stage_dir(out_dir, record)
+    if rank_zero_only.rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_hydra_files(cfg, out_dir)
+        if record is not None:
+            write_record(out_dir, record)
     try:
         return instantiate(cfg.stage.run)(cfg, out_dir=out_dir)
     finally:
         close_loggers()
+
+
+def save_hydra_files(cfg: DictConfig, out_dir: Path) -> None:
+    """`.hydra/{config,hydra,overrides}.yaml`, as Hydra writes them (with `hydra.output_subdir` null it does not)."""
+    if not HydraConfig.initialized():
+        return
+    hydra_cfg = HydraConfig.get()
+    folder = out_dir / ".hydra"
+    folder.mkdir(exist_ok=True)
+    OmegaConf.save(cfg, folder / "config.yaml")
+    OmegaConf.save(OmegaConf.create({"hydra": hydra_cfg}), folder / "hydra.yaml")
+    OmegaConf.save(hydra_cfg.overrides.task, folder / "overrides.yaml")
 
 
 def close_loggers() -> None:
@@ -41,10 +75,21 @@ def close_loggers() -> None:
         wandb.finish()
 
 
+def report_user_error(error: UserError) -> None:
+    """Print a user's mistake as its message only, then exit with its code (HYDRA_FULL_ERROR=1: the traceback)."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise error
+    print(f"error: {error}", file=sys.stderr)
+    sys.exit(error.exit_code)
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    result = run_stage(cfg)
+    try:
+        result = run_stage(cfg)
+    except UserError as error:
+        report_user_error(error)
     metric = cfg.get("optimized_metric")
     if metric:
         value = result.get(metric) if isinstance(result, dict) else None

@@ -37,10 +37,12 @@ log = logging.getLogger(__name__)
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"
 FINGERPRINT_FILE = "run_fingerprint.json"
-# What identifies a training run: the stage, its settings group (conf/<stage>/) and the groups that shape training.
-# Other groups (other stages' settings, where it runs and logs, on what hardware) may change between a run and its
-# resume, and so may how long it trains and how it is evaluated (leaf keys below).
-FINGERPRINT_KEYS = ("seed", "models", "task", "divergence", "selector")
+# What identifies a run: the stage, its settings group (conf/<stage>/) and the groups that shape it (those the stage
+# composes: a `stage=sft` config has no `divergence`). Other groups (other stages' settings, where it runs and logs,
+# on what hardware) may change between a run and its resume, and so may how long it trains and how it is evaluated
+# during training (leaf keys below).
+BASE_FINGERPRINT_KEYS = ("seed", "models", "task")
+FINGERPRINT_KEYS = (*BASE_FINGERPRINT_KEYS, "divergence", "selector", "sampling")
 RESUMABLE_LEAF_KEYS = frozenset(
     {"max_steps", "max_epochs", "val_check_interval", "limit_val_batches", "eval_batch_size", "eval_examples",
      "eval_max_new_tokens"}
@@ -179,25 +181,39 @@ def _drop_leaves(obj: Any, names: frozenset[str]) -> Any:
     return obj
 
 
-def run_fingerprint(cfg: DictConfig | Mapping[str, Any], stage: str | None = None) -> dict[str, Any]:
-    """What identifies a run: the resolved `FINGERPRINT_KEYS` and the stage's settings group, minus resumable leaves.
+def run_fingerprint(
+    cfg: DictConfig | Mapping[str, Any],
+    stage: str | None = None,
+    groups: Iterable[str] | None = None,
+    upstream: str | None = None,
+) -> dict[str, Any]:
+    """What identifies a run: the resolved groups and the stage's settings group, minus resumable leaves.
 
     Args:
         cfg: the job config.
         stage: the stage whose settings group (`cfg[stage]`, e.g. `distill`) counts; default `cfg.stage.name`.
+        groups: the other groups that count (default `FINGERPRINT_KEYS`, those present in `cfg`).
+        upstream: the fingerprint of what this run builds on (the previous pipeline step), folded into its own.
 
     Returns:
-        `{"fingerprint": <hash of config>, "models": <hash of the models config>, "config": <the config>}`.
+        `{"fingerprint": <hash without resumable leaves>, "settings": <hash of everything>, "models": <hash of the
+        models config>, "config": <the config>, "upstream": upstream}`.
     """
     stage = stage or str(OmegaConf.select(cfg, "stage.name", default="") if OmegaConf.is_config(cfg) else "")
     config: dict[str, Any] = {"stage": stage}
-    for key in (*FINGERPRINT_KEYS, stage):
+    for key in (*(FINGERPRINT_KEYS if groups is None else groups), stage):
         if not key or key not in cfg:
             continue
         node = cfg[key]
-        value = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
-        config[key] = _drop_leaves(value, RESUMABLE_LEAF_KEYS)
-    return {"fingerprint": _digest(config), "models": _digest(config.get("models")), "config": config}
+        config[key] = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+    identity = _drop_leaves(config, RESUMABLE_LEAF_KEYS)
+    return {
+        "fingerprint": _digest([identity, upstream] if upstream else identity),
+        "settings": _digest([config, upstream]),
+        "models": _digest(config.get("models")),
+        "config": config,
+        "upstream": upstream,
+    }
 
 
 def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
@@ -218,25 +234,15 @@ def config_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[s
 def check_run_dir(out_dir: str | Path, fingerprint: Mapping[str, Any]) -> None:
     """Refuse to run in a directory that holds another run; record this run's fingerprint there otherwise.
 
+    See `specdistill.utils.run_dir.check_stage_dir` (a folder without results does not lock it).
+
     Raises:
-        ValueError: `<out_dir>/run_fingerprint.json` exists with a different fingerprint.
+        RunDirConflictError (a ValueError): the directory holds results of a run with another fingerprint.
     """
-    path = Path(out_dir) / FINGERPRINT_FILE
-    if path.is_file():
-        previous = json.loads(path.read_text())
-        if previous.get("fingerprint") != fingerprint["fingerprint"]:
-            changed = config_differences(previous.get("config", {}), fingerprint["config"])
-            raise ValueError(
-                f"{out_dir} holds another run (its {FINGERPRINT_FILE} differs in: {', '.join(changed[:10]) or '?'})"
-                f"; resuming there would mix two runs. Use a new directory (hydra.run.dir=<new dir>, or drop "
-                "hydra.run.dir to get a fresh one) or run with the same settings to resume it."
-            )
-        return
-    if rank_zero_only.rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(dict(fingerprint), indent=2, sort_keys=True, default=str))
-        tmp.replace(path)
+    from specdistill.utils.run_dir import check_stage_dir, write_record
+
+    if check_stage_dir(out_dir, fingerprint) == "fresh" and rank_zero_only.rank == 0:
+        write_record(out_dir, fingerprint)
 
 
 class RunFingerprint(L.Callback):
@@ -276,11 +282,17 @@ class RunFingerprint(L.Callback):
 def scaleout_callbacks(cfg: DictConfig, out_dir: str | Path, stage: str) -> list[L.Callback]:
     """Callbacks every training stage gets: fingerprints (checked now) and checkpoint-on-signal.
 
-    Checks `out_dir` against this run's fingerprint (`stage` names the settings group that counts) first; raises
-    ValueError for another run's directory.
+    Uses the record train.py wrote into `out_dir`; without one, checks `out_dir` against this run's fingerprint
+    (`stage` names the settings group that counts) first and raises RunDirConflictError for another run's folder.
     """
-    fingerprint = run_fingerprint(cfg, stage)
-    check_run_dir(out_dir, fingerprint)
+    from specdistill.utils.run_dir import read_record
+
+    # train.py (or the pipeline, for a step) checked the folder and wrote its record before anything else; a stage
+    # called directly (tests, notebooks) is checked here
+    fingerprint = read_record(out_dir)
+    if fingerprint is None:
+        fingerprint = run_fingerprint(cfg, stage)
+        check_run_dir(out_dir, fingerprint)
     callbacks: list[L.Callback] = []
     debug_step = os.environ.get(DEBUG_SIGNAL_ENV)
     if debug_step:
