@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from specdistill.errors import EX_CANTCREAT, RunDirConflictError
+from specdistill.errors import EX_CANTCREAT, InputFileError, RunDirConflictError
 from specdistill.stages import pipeline
-from specdistill.utils.cluster import FINGERPRINT_FILE, run_fingerprint
-from specdistill.utils.run_dir import check_stage_dir, write_record
+from specdistill.utils.cluster import FINGERPRINT_FILE, run_fingerprint, sign_checkpoint_dir
+from specdistill.utils.run_dir import check_checkpoint, check_stage_dir, write_record
 from tests.helpers import ROOT, TINY, check_ok, run_train, stage_overrides
 
 STEPS = ["sft", "distill", "adaspec", "rollout", "acceptance_head", "evaluate"]
@@ -49,7 +49,9 @@ def test_pipeline_relaunch_with_the_same_settings_reuses_every_step(tmp_path):
 def test_pipeline_relaunch_with_another_k_is_refused_listing_the_differences_and_writes_nothing(tmp_path):
     run_pipeline(tmp_path)
     before = snapshot(tmp_path)
-    with pytest.raises(RunDirConflictError, match=r"adaspec \(adaspec\.k\).*evaluate.*pipeline\.on_change=rerun"):
+    with pytest.raises(
+        RunDirConflictError, match=r"adaspec \(adaspec\.k\).*evaluate.*pipeline\.on_change=rerun"
+    ):
         run_pipeline(tmp_path, "adaspec.k=0.8")
     assert snapshot(tmp_path) == before
 
@@ -157,3 +159,44 @@ def test_evaluate_launched_into_a_training_runs_folder_is_refused(sft_run):
                       f"hydra.run.dir={sft_run}"])  # fmt: skip
     assert proc.returncode == EX_CANTCREAT and "holds a 'sft' run" in proc.stderr
     assert snapshot(sft_run) == before  # result.json and .hydra/ of the sft run are untouched
+
+
+# -- checkpoints ----------------------------------------------------------------------------------------------------
+
+
+def test_corrupted_last_ckpt_is_refused_naming_the_file_and_the_fix(tmp_path):
+    import torch
+
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(1000)}, "global_step": 3}, ckpt)
+    check_checkpoint(ckpt, None)  # a complete archive passes
+    ckpt.write_bytes(ckpt.read_bytes()[:700])  # the job was killed while saving
+    with pytest.raises(InputFileError, match=r"last\.ckpt is not a readable checkpoint.*last\.ckpt\.broken"):
+        check_checkpoint(ckpt, None)
+    ckpt.write_bytes(b"garbage")
+    with pytest.raises(InputFileError, match="not a readable checkpoint"):
+        check_checkpoint(ckpt, None)
+
+
+def test_deepspeed_checkpoint_directory_loads_only_with_this_runs_fingerprint(tmp_path):
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    (ckpt / "checkpoint").mkdir(parents=True)
+    with pytest.raises(InputFileError, match="no specdistill_fingerprint.json.*weights_only=False"):
+        check_checkpoint(ckpt, "abc")  # unsigned: DeepSpeed would unpickle it
+    sign_checkpoint_dir(ckpt, {"fingerprint": "other", "models": "m"})
+    with pytest.raises(RunDirConflictError, match="written by another run"):
+        check_checkpoint(ckpt, "abc")
+    sign_checkpoint_dir(ckpt, {"fingerprint": "abc", "models": "m"})
+    check_checkpoint(ckpt, "abc")
+
+
+def test_deepspeed_conversion_refuses_a_checkpoint_of_another_run(tmp_path):
+    from specdistill.utils.strategy import deepspeed_checkpoint_to_hf
+
+    pytest.importorskip("deepspeed")
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    (ckpt / "checkpoint").mkdir(parents=True)
+    write_record(tmp_path, run_fingerprint(composed("stage=distill")))
+    sign_checkpoint_dir(ckpt, {"fingerprint": "another run", "models": "m"})
+    with pytest.raises(RunDirConflictError, match="written by another run"):
+        deepspeed_checkpoint_to_hf(ckpt, lambda: None, tmp_path / "export")  # before DeepSpeed reads a byte

@@ -24,7 +24,8 @@ from specdistill.data.datamodule import TaskDataModule
 from specdistill.export.hf import export_pretrained
 from specdistill.models import ModelSpec, check_model_covers_vocab, check_same_tokenizer, freeze, load_model
 from specdistill.models.tokenizer import ensure_pad_token, load_tokenizer
-from specdistill.utils.cluster import scaleout_callbacks
+from specdistill.utils.cluster import RunFingerprint, scaleout_callbacks
+from specdistill.utils.run_dir import check_checkpoint
 from specdistill.utils.strategy import check_devices, full_weights
 from specdistill.utils.wandb_logger import log_export
 
@@ -199,6 +200,8 @@ def fit(trainer: L.Trainer, module: L.LightningModule, datamodule: L.LightningDa
     # a DeepSpeed checkpoint is a directory
     ckpt_path = str(last) if last.exists() else None
     if ckpt_path:
+        signed = [c.fingerprint for c in trainer.callbacks if isinstance(c, RunFingerprint)]
+        check_checkpoint(last, signed[0] if signed else None)  # complete, and (a directory) this run's
         log.info("resuming from %s", ckpt_path)
     # resuming reads the checkpoint with torch.load(weights_only=True): tensors and plain containers only
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True if ckpt_path else None)

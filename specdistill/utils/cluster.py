@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"
 FINGERPRINT_FILE = "run_fingerprint.json"
+# written into every checkpoint *directory* (DeepSpeed) after it is saved: DeepSpeed loads its files with
+# torch.load(weights_only=False), so its fingerprint must be checked before anything in it is read
+CHECKPOINT_SIGNATURE = "specdistill_fingerprint.json"
 # What identifies a run: the stage, its settings group (conf/<stage>/) and the groups that shape it (those the stage
 # composes: a `stage=sft` config has no `divergence`). Other groups (other stages' settings, where it runs and logs,
 # on what hardware) may change between a run and its resume, and so may how long it trains and how it is evaluated
@@ -248,13 +251,29 @@ def check_run_dir(out_dir: str | Path, fingerprint: Mapping[str, Any]) -> None:
 class RunFingerprint(L.Callback):
     """Write the run's model fingerprint into every checkpoint and refuse to load a checkpoint of other models.
 
-    Stored under `checkpoint["specdistill"] = {"models": <hash>, "fingerprint": <hash>, "models_config": {...}}`.
+    Stored under `checkpoint["specdistill"] = {"models": <hash>, "fingerprint": <hash>, "models_config": {...}}`;
+    a checkpoint directory (DeepSpeed) also gets `CHECKPOINT_SIGNATURE` beside its files once saved, which
+    `specdistill.utils.run_dir.check_checkpoint` reads before DeepSpeed unpickles anything.
     """
 
     def __init__(self, fingerprint: Mapping[str, Any]) -> None:
         self.models = fingerprint["models"]
         self.fingerprint = fingerprint["fingerprint"]
         self.models_config = fingerprint["config"].get("models")
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        strategy = trainer.strategy
+        if getattr(strategy.save_checkpoint, "_specdistill_signs", False):
+            return
+        save = strategy.save_checkpoint
+
+        def save_and_sign(checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
+            save(checkpoint, filepath, storage_options=storage_options)
+            if Path(filepath).is_dir() and trainer.is_global_zero:
+                sign_checkpoint_dir(filepath, {"fingerprint": self.fingerprint, "models": self.models})
+
+        save_and_sign._specdistill_signs = True  # type: ignore[attr-defined]
+        strategy.save_checkpoint = save_and_sign  # type: ignore[method-assign]
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         checkpoint["specdistill"] = {
@@ -277,6 +296,14 @@ class RunFingerprint(L.Callback):
                 f"{', '.join(changed[:10]) or '?'}); resume with the same models=... settings, or start a new run "
                 "directory (hydra.run.dir=<new dir>)"
             )
+
+
+def sign_checkpoint_dir(path: str | Path, signature: Mapping[str, Any]) -> None:
+    """Write `CHECKPOINT_SIGNATURE` (the run's fingerprint) into a checkpoint directory."""
+    target = Path(path) / CHECKPOINT_SIGNATURE
+    tmp = target.with_suffix(".tmp")
+    tmp.write_text(json.dumps(dict(signature), sort_keys=True))
+    tmp.replace(target)
 
 
 def scaleout_callbacks(cfg: DictConfig, out_dir: str | Path, stage: str) -> list[L.Callback]:

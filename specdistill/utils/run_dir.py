@@ -17,12 +17,18 @@ from __future__ import annotations
 
 import json
 import logging
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from specdistill.errors import RunDirConflictError
-from specdistill.utils.cluster import FINGERPRINT_FILE, RESUMABLE_LEAF_KEYS, config_differences
+from specdistill.errors import InputFileError, RunDirConflictError
+from specdistill.utils.cluster import (
+    CHECKPOINT_SIGNATURE,
+    FINGERPRINT_FILE,
+    RESUMABLE_LEAF_KEYS,
+    config_differences,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +68,9 @@ def write_record(folder: str | Path, record: Mapping[str, Any]) -> None:
     tmp.replace(path)
 
 
-def differences(previous: Mapping[str, Any], record: Mapping[str, Any], with_resumable: bool = False) -> list[str]:
+def differences(
+    previous: Mapping[str, Any], record: Mapping[str, Any], with_resumable: bool = False
+) -> list[str]:
     """The dotted setting keys that differ between two records (the resumable leaves only if `with_resumable`)."""
     changed = config_differences(previous.get("config") or {}, record.get("config") or {})
     if not with_resumable:
@@ -100,7 +108,9 @@ def check_stage_dir(out_dir: str | Path, record: Mapping[str, Any]) -> str:
     if previous.get("fingerprint") == record["fingerprint"]:
         return "resume"
     if not taken:
-        log.warning("%s holds the record of a run that stopped before producing results: replacing it", out_dir)
+        log.warning(
+            "%s holds the record of a run that stopped before producing results: replacing it", out_dir
+        )
         return "fresh"
     if previous.get("config", {}).get("stage") != record["config"].get("stage"):
         raise RunDirConflictError(
@@ -111,3 +121,43 @@ def check_stage_dir(out_dir: str | Path, record: Mapping[str, Any]) -> str:
         f"{out_dir} holds another run (settings differ in: {describe(differences(previous, record))}); nothing was "
         f"written. {fix}, or relaunch with the folder's own settings to resume it."
     )
+
+
+def check_checkpoint(path: str | Path, fingerprint: str | None) -> None:
+    """Check a checkpoint before resuming from it; reads no pickle.
+
+    A file must be a complete torch archive (a job killed while saving leaves a truncated one). A directory
+    (DeepSpeed, whose loader calls `torch.load(weights_only=False)`, so its files could run code) is loaded only when
+    its `CHECKPOINT_SIGNATURE` carries this run's fingerprint.
+
+    Raises:
+        InputFileError: an unreadable file, or an unsigned directory.
+        RunDirConflictError: a directory signed by another run.
+    """
+    path = Path(path)
+    if path.is_dir():
+        signature = path / CHECKPOINT_SIGNATURE
+        if not signature.is_file():
+            raise InputFileError(
+                f"{path} has no {CHECKPOINT_SIGNATURE}, so nothing says which run wrote it; DeepSpeed would unpickle "
+                "it (torch.load(weights_only=False)), which can run code. Resume only from checkpoints this run "
+                "wrote: move it away to start this stage from scratch."
+            )
+        saved = json.loads(signature.read_text()).get("fingerprint")
+        if fingerprint is None or saved != fingerprint:
+            raise RunDirConflictError(
+                f"{path} was written by another run (fingerprint {saved}, this run {fingerprint}); it is not "
+                "loaded. Move it away to start this stage from scratch, or relaunch with that run's settings."
+            )
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            complete = any(name.endswith("data.pkl") for name in archive.namelist())
+        problem = "" if complete else "no data.pkl in the archive"
+    except (zipfile.BadZipFile, OSError) as error:
+        problem = str(error)
+    if problem:
+        raise InputFileError(
+            f"{path} is not a readable checkpoint ({problem}); it was probably cut short when its job was killed. "
+            f"Move it away (e.g. to {path.name}.broken) to restart this stage from its start, or restore a good copy."
+        )
