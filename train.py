@@ -20,12 +20,11 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.errors import UserError
-from specdistill.utils.cluster import run_fingerprint
-from specdistill.utils.run_dir import check_stage_dir, write_record
+from specdistill.utils.fingerprint import run_fingerprint
+from specdistill.utils.run_dir import check_stage_dir, is_rank_zero, write_record
 from specdistill.validation import validate_config
 
 log = logging.getLogger(__name__)
@@ -34,15 +33,15 @@ log = logging.getLogger(__name__)
 def run_stage(cfg: DictConfig) -> dict:
     """Run the stage that `cfg.stage` names, in the Hydra run directory, and return its result dictionary."""
     out_dir = Path(cfg.paths.output_dir)
-    validate_config(cfg)
-    # nothing is written into the folder before it is checked (the pipeline checks and records each step itself)
+    # nothing is written into the folder before it and the settings are checked (the pipeline checks each step)
     record = None
     if cfg.stage.get("check"):
         instantiate(cfg.stage.check)(cfg, out_dir)
     else:
         record = run_fingerprint(cfg)
         check_stage_dir(out_dir, record)
-    if rank_zero_only.rank == 0:
+    validate_config(cfg)
+    if is_rank_zero():
         out_dir.mkdir(parents=True, exist_ok=True)
         save_hydra_files(cfg, out_dir)
         if record is not None:

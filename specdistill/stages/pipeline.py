@@ -25,7 +25,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from specdistill.errors import ConfigError, RunDirConflictError
-from specdistill.utils.cluster import BASE_FINGERPRINT_KEYS, run_fingerprint
+from specdistill.utils.fingerprint import BASE_FINGERPRINT_KEYS, run_fingerprint
 from specdistill.utils.run_dir import describe, differences, holds_results, read_record, write_record
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,11 @@ def plan(cfg: DictConfig, out_dir: Path) -> list[StepPlan]:
     if on_change not in ON_CHANGE:
         raise ConfigError(f"pipeline.on_change={on_change!r}; use one of {list(ON_CHANGE)}")
     top = read_record(out_dir)
-    if top is not None and top.get("config", {}).get("stage") != "pipeline" and holds_results(out_dir, depth=0):
+    if (
+        top is not None
+        and top.get("config", {}).get("stage") != "pipeline"
+        and holds_results(out_dir, depth=0)
+    ):
         raise RunDirConflictError(
             f"{out_dir} holds a {top.get('config', {}).get('stage')!r} run; refusing to write a pipeline over its "
             "results. Use a new folder (hydra.run.dir=<new dir>)."
@@ -73,7 +77,12 @@ def plan(cfg: DictConfig, out_dir: Path) -> list[StepPlan]:
             action, changed = "reuse", []
         elif not holds_results(step_dir):
             action, changed = "run", []
-        elif rerun_from is None and not finished and previous and previous["fingerprint"] == record["fingerprint"]:
+        elif (
+            rerun_from is None
+            and not finished
+            and previous
+            and previous["fingerprint"] == record["fingerprint"]
+        ):
             action, changed = "run", []  # resume its checkpoint
         else:
             action = "rerun"

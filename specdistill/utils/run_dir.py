@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from specdistill.errors import InputFileError, RunDirConflictError
-from specdistill.utils.cluster import (
+from specdistill.utils.fingerprint import (
     CHECKPOINT_SIGNATURE,
     FINGERPRINT_FILE,
     RESUMABLE_LEAF_KEYS,
@@ -46,6 +47,14 @@ def holds_results(folder: str | Path, depth: int = 1) -> bool:
     if checkpoints.is_dir() and any(checkpoints.iterdir()):
         return True
     return depth > 0 and any(holds_results(sub, depth - 1) for sub in folder.iterdir() if sub.is_dir())
+
+
+def is_rank_zero() -> bool:
+    """Whether this process is global rank 0, from the launcher's environment (as Lightning reads it)."""
+    for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+        if key in os.environ:
+            return int(os.environ[key]) == 0
+    return True
 
 
 def read_record(folder: str | Path) -> dict[str, Any] | None:
