@@ -11,7 +11,6 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -32,7 +31,9 @@ def validate_config(cfg: DictConfig) -> None:
         check_model_source(key, path)
     for key, path in input_dirs(cfg):
         if not Path(path).expanduser().exists():
-            raise InputFileError(f"{key}={path}: no such file or directory; pass the folder an earlier run wrote.")
+            raise InputFileError(
+                f"{key}={path}: no such file or directory; pass the folder an earlier run wrote."
+            )
     check_code_execution(cfg)
 
 
@@ -103,7 +104,8 @@ def check_added_keys(cfg: DictConfig) -> None:
     lines = list(HydraConfig.get().overrides.task)
     overrides = OverridesParser.create().parse_overrides(lines)
     added = [
-        o for o in overrides
+        o
+        for o in overrides
         if (o.is_add() or o.is_force_add()) and o.package is None and not (CONF_DIR / o.key_or_group).is_dir()
     ]  # fmt: skip  (+experiment=... adds a config group, not a key)
     if not added:
@@ -130,8 +132,11 @@ def check_added_keys(cfg: DictConfig) -> None:
             f"{override.input_line}: adds {key!r}, which nothing reads"
             + (f" (did you mean {where}{hint[0]}?)" if hint else "")
             + ". Drop the '+' to override an existing key"
-            + (f"; {parent_key or 'the top level'} has: {', '.join(known[:15])}" if known else f"; {parent_key} "
-               "does not exist")  # fmt: skip
+            + (
+                f"; {parent_key or 'the top level'} has: {', '.join(known[:15])}"
+                if known
+                else f"; {parent_key} does not exist"
+            )  # fmt: skip
             + "."
         )
 

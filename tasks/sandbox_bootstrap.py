@@ -60,7 +60,9 @@ def main():
     pid_max = set_sysctl("/proc/sys/kernel/pid_max", "301")
     set_sysctl("/proc/sys/user/max_user_namespaces", "0")
     if not pid_max and spec["outer_uid"] == 0:
-        fail("no process limit applies: RLIMIT_NPROC does not bind root and this kernel has no per-namespace pid_max")
+        fail(
+            "no process limit applies: RLIMIT_NPROC does not bind root and this kernel has no per-namespace pid_max"
+        )
     try:
         mount(work.encode(), work, MS_BIND | MS_REC)  # the one writable mount
         for point in mountpoints():
@@ -83,7 +85,10 @@ def main():
         resource.setrlimit(getattr(resource, name), (value, value))
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an over-large write fails with EFBIG instead of killing
     # drop every capability for good: the program runs as uid 0 of this namespace and must not regain them on exec
-    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or libc.prctl(PR_SET_SECUREBITS, SECUREBITS, 0, 0, 0) != 0:
+    if (
+        libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
+        or libc.prctl(PR_SET_SECUREBITS, SECUREBITS, 0, 0, 0) != 0
+    ):
         fail(f"cannot drop privileges ({os.strerror(ctypes.get_errno())})")
     libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
     for cap in range(64):

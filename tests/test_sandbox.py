@@ -13,7 +13,13 @@ import pytest
 
 from specdistill.errors import ConfigError
 from tasks import code_execution
-from tasks.code_execution import Limits, SandboxUnavailableError, check_sandbox, namespaces_unavailable, run_python
+from tasks.code_execution import (
+    Limits,
+    SandboxUnavailableError,
+    check_sandbox,
+    namespaces_unavailable,
+    run_python,
+)
 
 isolated = pytest.mark.skipif(
     namespaces_unavailable() is not None, reason=f"no namespace sandbox here: {namespaces_unavailable()}"
@@ -46,7 +52,8 @@ def sleeper(marker: str) -> str:
 def test_sandbox_child_cannot_read_the_parents_environment(monkeypatch):
     secret = f"hf_{uuid.uuid4().hex}"
     monkeypatch.setenv("HF_TOKEN", secret)
-    result = run_python(program(f"""
+    result = run_python(
+        program(f"""
         import os, sys
         assert set(os.environ) <= {{'LC_CTYPE'}}, dict(os.environ)  # Python's own C-locale coercion (PEP 538)
         for pid in [os.getppid(), *[p for p in os.listdir('/proc') if p.isdigit()]]:
@@ -57,18 +64,21 @@ def test_sandbox_child_cannot_read_the_parents_environment(monkeypatch):
             assert {secret!r}.encode() not in data, pid
         # the parent is not even visible: the program is pid 1 of its own namespace
         assert os.getpid() == 1 and sorted(p for p in os.listdir('/proc') if p.isdigit()) == ['1']
-    """))
+    """)
+    )
     assert result.passed, result.stderr_tail
 
 
 @isolated
 def test_sandbox_background_process_of_a_passing_program_is_killed():
     marker = f"specdistill-bg-{uuid.uuid4().hex}"
-    result = run_python(program(f"""
+    result = run_python(
+        program(f"""
         import os, sys
         if os.fork() == 0:
             {sleeper(marker)}
-    """))
+    """)
+    )
     assert result.passed, result.stderr_tail
     time.sleep(0.2)
     assert processes_with(marker) == []
@@ -77,14 +87,17 @@ def test_sandbox_background_process_of_a_passing_program_is_killed():
 @isolated
 def test_sandbox_setsid_child_does_not_survive_the_timeout():
     marker = f"specdistill-setsid-{uuid.uuid4().hex}"
-    result = run_python(program(f"""
+    result = run_python(
+        program(f"""
         import os, sys, time
         if os.fork() == 0:
             os.setsid()
             {sleeper(marker)}
         while True:
             time.sleep(1)
-    """), timeout_s=2)
+    """),
+        timeout_s=2,
+    )
     assert result.timed_out and not result.passed
     time.sleep(0.2)
     assert processes_with(marker) == []
@@ -93,7 +106,8 @@ def test_sandbox_setsid_child_does_not_survive_the_timeout():
 @isolated
 def test_sandbox_fork_bomb_hits_the_process_limit():
     # passes only if fork fails before 400 processes exist; the children sleep, so they all coexist
-    result = run_python(program("""
+    result = run_python(
+        program("""
         import os, sys, time
         for n in range(400):
             try:
@@ -104,7 +118,9 @@ def test_sandbox_fork_bomb_hits_the_process_limit():
                 time.sleep(30)
                 os._exit(0)
         sys.exit(1)
-    """), limits=Limits(timeout_s=20, max_processes=32))
+    """),
+        limits=Limits(timeout_s=20, max_processes=32),
+    )
     assert result.passed, result.stderr_tail
 
 
@@ -116,9 +132,10 @@ def test_sandbox_cannot_write_outside_its_folder(tmp_path):
     os.chmod(tmp_path, 0o777)
     os.chmod(target.parent, 0o777)
     os.chmod(target, 0o666)  # the permissions allow it: only the read-only view stops it
-    result = run_python(program(f"""
+    result = run_python(
+        program(f"""
         import errno, os
-        for attempt in [lambda: open({str(target)!r}, 'wb'), lambda: open({str(tmp_path / 'new.txt')!r}, 'w'),
+        for attempt in [lambda: open({str(target)!r}, 'wb'), lambda: open({str(tmp_path / "new.txt")!r}, 'w'),
                         lambda: os.remove({str(target)!r}), lambda: open('/tmp/escaped', 'w')]:
             try:
                 attempt()
@@ -127,7 +144,8 @@ def test_sandbox_cannot_write_outside_its_folder(tmp_path):
             else:
                 raise SystemExit('wrote outside its folder')
         open('inside.txt', 'w').write('ok')  # its own folder stays writable
-    """))
+    """)
+    )
     assert result.passed, result.stderr_tail
     assert target.read_bytes() == b"weights" and not (tmp_path / "new.txt").exists()
 
@@ -137,7 +155,8 @@ def test_sandbox_cannot_remount_the_file_system_writable(tmp_path):
     victim = tmp_path / "victim.txt"
     victim.write_text("intact")
     os.chmod(victim, 0o666)
-    result = run_python(program(f"""
+    result = run_python(
+        program(f"""
         import ctypes, os
         libc = ctypes.CDLL(None, use_errno=True)
         MS_REMOUNT, MS_BIND = 32, 4096
@@ -149,14 +168,16 @@ def test_sandbox_cannot_remount_the_file_system_writable(tmp_path):
             open({str(victim)!r}, 'w').write('overwritten')
         except OSError:
             pass
-    """))
+    """)
+    )
     assert result.passed, result.stderr_tail
     assert victim.read_text() == "intact"
 
 
 @isolated
 def test_sandbox_big_file_hits_the_file_size_limit():
-    result = run_python(program("""
+    result = run_python(
+        program("""
         import errno
         try:
             with open('big.bin', 'wb') as f:
@@ -166,7 +187,9 @@ def test_sandbox_big_file_hits_the_file_size_limit():
             assert error.errno == errno.EFBIG, error
         else:
             raise SystemExit('wrote 64 MiB')
-    """), limits=Limits(timeout_s=20, file_size_mb=4))
+    """),
+        limits=Limits(timeout_s=20, file_size_mb=4),
+    )
     assert result.passed, result.stderr_tail
 
 
@@ -177,7 +200,8 @@ def test_sandbox_has_no_network():
     server.listen(1)
     port = server.getsockname()[1]
     try:
-        result = run_python(program(f"""
+        result = run_python(
+            program(f"""
             import socket
             try:
                 socket.create_connection(('127.0.0.1', {port}), timeout=2)
@@ -185,7 +209,9 @@ def test_sandbox_has_no_network():
                 pass
             else:
                 raise SystemExit('reached the host network')
-        """), timeout_s=10)
+        """),
+            timeout_s=10,
+        )
         assert result.passed, result.stderr_tail
         server.settimeout(0.1)
         with pytest.raises(TimeoutError):
