@@ -27,6 +27,7 @@ def validate_config(cfg: DictConfig) -> None:
     for stage in running_stages(cfg):
         check_stage_settings(cfg, stage)
     check_drafts_given(cfg)
+    check_reference_given(cfg)
     for key, path in model_paths(cfg):
         check_model_source(key, path)
     for key, path in input_dirs(cfg):
@@ -51,7 +52,7 @@ def check_stage_settings(cfg: DictConfig, stage: str) -> None:
     settings = cfg.get(stage)
     if settings is None:
         return
-    if stage == "adaspec" or "k" in settings and "reference" in settings:
+    if "k" in settings:  # AdaSPEC's kept fraction (the one key for that concept)
         k = settings.get("k")
         if not isinstance(k, int | float) or isinstance(k, bool) or not 0 < k <= 1:
             raise ConfigError(
@@ -84,6 +85,33 @@ def check_drafts_given(cfg: DictConfig) -> None:
         f"{stage}. Add +{stage}.drafts.<name>=<run_dir>/export (an export of distill or adaspec), or set "
         "models.draft.pretrained_model_name_or_path=<hub id or directory>."
     )
+
+
+def filled_by_earlier_steps(cfg: DictConfig, stage: str) -> set[str]:
+    """The config keys that pipeline steps before `stage` fill with their outputs (empty outside a pipeline)."""
+    if cfg.stage.get("steps") is None or "pipeline" not in cfg:
+        return set()
+    keys: set[str] = set()
+    for name in running_stages(cfg):
+        if name == stage:
+            break
+        for targets in (cfg.stage.steps[name].get("outputs") or {}).values():
+            keys.update(str(t) for t in targets)
+    return keys
+
+
+def check_reference_given(cfg: DictConfig) -> None:
+    """A stage with a `reference` setting (AdaSPEC's reference model) needs one, or an earlier step that fills it."""
+    for stage in running_stages(cfg):
+        settings = cfg.get(stage)
+        if settings is None or "reference" not in settings or settings.reference:
+            continue
+        if f"{stage}.reference" in filled_by_earlier_steps(cfg, stage):
+            continue
+        raise ConfigError(
+            f"{stage}.reference is not set: pass the export directory of a `distill` run "
+            f"({stage}.reference=<distill_run_dir>/export), or run stage=pipeline with a distill step, which wires it."
+        )
 
 
 def check_added_keys(cfg: DictConfig) -> None:

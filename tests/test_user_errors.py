@@ -42,6 +42,14 @@ def test_adaspec_k_out_of_range_is_refused_naming_the_key(k):
         validate_config(composed("stage=adaspec", f"adaspec.k={k}", "adaspec.reference=/nonexistent"))
 
 
+def test_adaspec_without_reference_is_refused_before_loading_unless_a_pipeline_step_fills_it():
+    with pytest.raises(ConfigError, match=r"adaspec\.reference is not set.*<distill_run_dir>/export"):
+        validate_config(composed("stage=adaspec"))
+    with pytest.raises(ConfigError, match="adaspec.reference is not set"):
+        validate_config(composed("pipeline.steps=[sft,adaspec]"))
+    validate_config(composed())  # the default pipeline: distill fills it
+
+
 def test_max_steps_zero_is_refused_instead_of_exporting_an_untrained_draft():
     with pytest.raises(ConfigError, match=r"max_steps=0 for stage distill.*untrained"):
         validate_config(composed("stage=distill", "++distill.trainer.max_steps=0"))
