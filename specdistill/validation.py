@@ -7,6 +7,7 @@ second, not a model download and a 60-line traceback.
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -15,6 +16,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.errors import ConfigError, InputFileError
+
+log = logging.getLogger(__name__)
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 # a hub id: "name" or "namespace/name"; anything else that does not exist is a mistyped local path
@@ -139,7 +142,11 @@ def check_added_keys(cfg: DictConfig) -> None:
     if not added:
         return
     kept = [line for line, o in zip(lines, overrides, strict=True) if o not in added]
-    baseline = compose(config_name=HydraConfig.get().job.config_name, overrides=kept)
+    try:
+        baseline = compose(config_name=HydraConfig.get().job.config_name, overrides=kept)
+    except Exception as error:  # e.g. a launcher that runs the job without Hydra's global state
+        log.warning("could not check the '+' overrides %s (%s)", [o.input_line for o in added], error)
+        return
     for override in added:
         key = override.key_or_group
         if OmegaConf.select(baseline, key, default=_ABSENT) is not _ABSENT:

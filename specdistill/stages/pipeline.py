@@ -26,7 +26,14 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from specdistill.errors import ConfigError, RunDirConflictError
 from specdistill.utils.fingerprint import BASE_FINGERPRINT_KEYS, run_fingerprint
-from specdistill.utils.run_dir import describe, differences, holds_results, read_record, write_record
+from specdistill.utils.run_dir import (
+    describe,
+    differences,
+    holds_results,
+    is_rank_zero,
+    read_record,
+    write_record,
+)
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +88,7 @@ def plan(cfg: DictConfig, out_dir: Path) -> list[StepPlan]:
             rerun_from is None
             and not finished
             and previous
-            and previous["fingerprint"] == record["fingerprint"]
+            and previous.get("fingerprint") == record["fingerprint"]
         ):
             action, changed = "run", []  # resume its checkpoint
         else:
@@ -112,7 +119,9 @@ def check(cfg: DictConfig, out_dir: Path) -> list[StepPlan]:
 
 def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     steps = check(cfg, out_dir)
-    write_record(out_dir, run_fingerprint(cfg, "pipeline", groups=BASE_FINGERPRINT_KEYS))
+    writer = is_rank_zero()  # every rank runs the pipeline; one of them moves folders and writes records
+    if writer:
+        write_record(out_dir, run_fingerprint(cfg, "pipeline", groups=BASE_FINGERPRINT_KEYS))
     stamp = time.strftime("%Y%m%d-%H%M%S")
     results: dict[str, Any] = {}
     for planned in steps:
@@ -123,13 +132,14 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             log.info("step %s already done with these settings: reusing %s", name, step_dir / "result.json")
             result = json.loads((step_dir / "result.json").read_text())
         else:
-            if planned.action == "rerun" and step_dir.exists():
+            if planned.action == "rerun" and step_dir.exists() and writer:
                 aside = step_dir.with_name(f"{name}.replaced-{stamp}")
                 log.warning("step %s: settings changed (%s); moving its folder to %s", name,
                             describe(planned.changed), aside)  # fmt: skip
                 step_dir.rename(aside)
             log.info("pipeline step: %s", name)
-            write_record(step_dir, planned.record)
+            if writer:
+                write_record(step_dir, planned.record)
             result = instantiate(step.run)(cfg, out_dir=step_dir)
         results[name] = result
         wire_outputs(cfg, name, step, result)

@@ -9,8 +9,8 @@ stage, its settings group and the groups that shape it). A launch into a folder 
 - *refused* (`RunDirConflictError`, listing the differences) when the folder holds results of another run or of
   another stage. Nothing is written before this check: not the record, not `.hydra/`.
 
-"Results" are what a relaunch must never overwrite: `result.json`, `results.json`, `report.json`, an `export/`, a
-checkpoint, or a sub-folder holding any of these (a pipeline's steps).
+"Results" are what a relaunch must never overwrite: `result.json`, `results.json`, `report.json`, a non-empty
+`export/`, `checkpoints/` or `rollouts/`, or a sub-folder holding any of these (a pipeline's steps).
 """
 
 from __future__ import annotations
@@ -34,6 +34,11 @@ from specdistill.utils.fingerprint import (
 log = logging.getLogger(__name__)
 
 RESULT_FILES = ("result.json", "results.json", "report.json")
+RESULT_DIRS = (
+    "export",
+    "checkpoints",
+    "rollouts",
+)  # non-empty: trained weights, resumable state, rollout shards
 
 
 def holds_results(folder: str | Path, depth: int = 1) -> bool:
@@ -41,10 +46,9 @@ def holds_results(folder: str | Path, depth: int = 1) -> bool:
     folder = Path(folder)
     if not folder.is_dir():
         return False
-    if any((folder / name).is_file() for name in RESULT_FILES) or (folder / "export").exists():
+    if any((folder / name).is_file() for name in RESULT_FILES):
         return True
-    checkpoints = folder / "checkpoints"
-    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+    if any((folder / name).is_dir() and any((folder / name).iterdir()) for name in RESULT_DIRS):
         return True
     return depth > 0 and any(holds_results(sub, depth - 1) for sub in folder.iterdir() if sub.is_dir())
 
