@@ -200,3 +200,14 @@ def test_deepspeed_conversion_refuses_a_checkpoint_of_another_run(tmp_path):
     sign_checkpoint_dir(ckpt, {"fingerprint": "another run", "models": "m"})
     with pytest.raises(RunDirConflictError, match="written by another run"):
         deepspeed_checkpoint_to_hf(ckpt, lambda: None, tmp_path / "export")  # before DeepSpeed reads a byte
+
+
+@pytest.mark.slow
+def test_refused_pipeline_relaunch_leaves_hydra_files_and_results_untouched(tmp_path):
+    run_dir = tmp_path / "pipeline"
+    check_ok(run_train([*FAKE, f"hydra.run.dir={run_dir}"]))
+    assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "evaluate" / "result.json").is_file()
+    before = snapshot(run_dir)
+    proc = run_train([*FAKE, "adaspec.k=0.8", f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == EX_CANTCREAT and "adaspec (adaspec.k)" in proc.stderr
+    assert snapshot(run_dir) == before  # .hydra/ still records the settings the steps ran with
