@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -59,6 +60,15 @@ def save_hydra_files(cfg: DictConfig, out_dir: Path) -> None:
     hydra_cfg = HydraConfig.get()
     folder = out_dir / ".hydra"
     folder.mkdir(exist_ok=True)
+    # a resumed run keeps what each earlier launch recorded (e.g. another trainer preset or max_steps)
+    earlier = [
+        folder / name for name in ("config.yaml", "hydra.yaml", "overrides.yaml") if (folder / name).is_file()
+    ]
+    if earlier:
+        kept = folder / "earlier" / time.strftime("%Y%m%d-%H%M%S", time.localtime(earlier[0].stat().st_mtime))
+        kept.mkdir(parents=True, exist_ok=True)
+        for path in earlier:
+            path.replace(kept / path.name)
     OmegaConf.save(cfg, folder / "config.yaml")
     OmegaConf.save(OmegaConf.create({"hydra": hydra_cfg}), folder / "hydra.yaml")
     OmegaConf.save(hydra_cfg.overrides.task, folder / "overrides.yaml")

@@ -143,6 +143,28 @@ def test_fixed_relaunch_into_the_folder_of_a_run_that_died_before_training_runs(
     assert "num_attention_heads=3" not in overrides  # the record and .hydra/ are the run that trained
 
 
+def test_resumed_relaunch_keeps_the_earlier_launchs_hydra_files(tmp_path):
+    from hydra.core.hydra_config import HydraConfig
+
+    from train import save_hydra_files
+
+    def launch(*overrides: str) -> None:
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose("train", overrides=list(overrides), return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        try:
+            save_hydra_files(cfg, tmp_path)
+        finally:
+            HydraConfig.instance().cfg = None
+
+    launch("stage=sft", "trainer.max_steps=3")
+    launch("stage=sft", "trainer.max_steps=9")  # the same run, resumed to train longer
+    assert "trainer.max_steps=9" in (tmp_path / ".hydra" / "overrides.yaml").read_text()
+    (earlier,) = (tmp_path / ".hydra" / "earlier").iterdir()
+    assert "trainer.max_steps=3" in (earlier / "overrides.yaml").read_text()
+    assert (earlier / "config.yaml").is_file() and (earlier / "hydra.yaml").is_file()
+
+
 @pytest.mark.slow
 def test_refused_relaunch_does_not_rewrite_hydra_files(sft_run):
     before = snapshot(sft_run)
