@@ -280,6 +280,6 @@ def check_code_execution(cfg: DictConfig) -> None:
     task = cfg.get("task")
     if task is None or not task.get("execute_code"):
         return
-    from tasks.code_execution import check_sandbox
+    from specdistill.tasks.code_execution import check_sandbox
 
     check_sandbox(task.get("sandbox", "namespaces"))

@@ -1,5 +1,5 @@
 """Tasks: where records come from and how they become prompts, answers and scores (one module per task)."""
 
-from tasks.base import SPLITS, Task, TaskDataError
+from specdistill.tasks.base import SPLITS, Task, TaskDataError
 
 __all__ = ["SPLITS", "Task", "TaskDataError"]

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 import datasets
 
 from specdistill.data.arith import DEFAULT_SIZES, generate_split
-from tasks.base import SPLITS
-from tasks.gsm8k import GSM8K
+from specdistill.tasks.base import SPLITS
+from specdistill.tasks.gsm8k import GSM8K
 
 
 class Arith(GSM8K):

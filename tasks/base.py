@@ -1,6 +1,6 @@
 """The `Task` base class: where a task's records come from and how they become prompts, answers and scores.
 
-A task is built by Hydra from `conf/task/<name>.yaml` (`_target_: tasks.gsm8k.GSM8K`). Records come either from
+A task is built by Hydra from `conf/task/<name>.yaml` (`_target_: specdistill.tasks.gsm8k.GSM8K`). Records come either from
 the Hugging Face hub (`path`, `config_name`, `splits`) or from local files (`data_files`); overriding
 `task.data_files=...` on the command line switches a hub task to local files.
 

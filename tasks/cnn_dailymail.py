@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tasks.base import Record
-from tasks.rouge_task import RougeTask
+from specdistill.tasks.base import Record
+from specdistill.tasks.rouge_task import RougeTask
 
 
 class CNNDailyMail(RougeTask):

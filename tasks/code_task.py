@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import re
 
-from tasks.base import Record, Task
-from tasks.code_execution import SANDBOX_MODES, CodeExecutionDisabledError, run_python
+from specdistill.tasks.base import Record, Task
+from specdistill.tasks.code_execution import SANDBOX_MODES, CodeExecutionDisabledError, run_python
 
 _FENCE = re.compile(r"```[^\n]*\n(.*?)(?:```|$)", re.DOTALL)
 

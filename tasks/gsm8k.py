@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import re
 
-from tasks.base import Record, Task
-from tasks.metrics import NUMBER, normalise_number
+from specdistill.tasks.base import Record, Task
+from specdistill.tasks.metrics import NUMBER, normalise_number
 
 QUESTION_SUFFIX = "\nAnswer the above question. First think step by step and then answer the final number.\n"
 ANSWER_MARKER = "The final answer is: "

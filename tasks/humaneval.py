@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tasks.base import Record
-from tasks.code_task import CodeTask, strip_code_fence
+from specdistill.tasks.base import Record
+from specdistill.tasks.code_task import CodeTask, strip_code_fence
 
 # the Codex paper's stop sequences: a completion ends where top-level code would start again
 STOP_SEQUENCES = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")

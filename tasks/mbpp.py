@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tasks.base import Record
-from tasks.code_task import CodeTask, strip_code_fence
+from specdistill.tasks.base import Record
+from specdistill.tasks.code_task import CodeTask, strip_code_fence
 
 
 class MBPP(CodeTask):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tasks.base import Record, Task
-from tasks.metrics import rouge_l_f
+from specdistill.tasks.base import Record, Task
+from specdistill.tasks.metrics import rouge_l_f
 
 
 class RougeTask(Task):

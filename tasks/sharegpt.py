@@ -7,8 +7,8 @@ recorded reply (a cheap proxy: for speculative decoding the output is the target
 
 from __future__ import annotations
 
-from tasks.base import Record
-from tasks.rouge_task import RougeTask
+from specdistill.tasks.base import Record
+from specdistill.tasks.rouge_task import RougeTask
 
 # speaker names found in ShareGPT dumps -> chat-template roles
 ROLES: dict[str, str] = {

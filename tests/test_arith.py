@@ -9,7 +9,7 @@ import pytest
 
 from specdistill.data.arith import generate_split
 from specdistill.data.arith_tokenizer import EOS_TOKEN, PAD_TOKEN, arith_tokenizer
-from tasks.arith import Arith
+from specdistill.tasks.arith import Arith
 
 _EQUATION = re.compile(r"(\d+) ([-+*/]) (\d+) = (\d+)")
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "/": lambda a, b: a / b}

@@ -24,8 +24,8 @@ from specdistill.data.tokenize import (
     special_prefix,
     truncate_prompt_left,
 )
-from tasks.arith import Arith
-from tasks.base import Task
+from specdistill.tasks.arith import Arith
+from specdistill.tasks.base import Task
 
 EOS = 99
 
@@ -419,7 +419,7 @@ def test_resume_state_reaches_a_training_loader_built_before_it(tok):
 def test_chat_task_end_to_end(tok):
     from pathlib import Path
 
-    from tasks.sharegpt import ShareGPT
+    from specdistill.tasks.sharegpt import ShareGPT
 
     chat = with_chat_template(tok)
     fixture = Path(__file__).parent / "fixtures" / "sharegpt" / "train.jsonl"

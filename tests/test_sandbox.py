@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from specdistill.errors import ConfigError
-from tasks import code_execution
-from tasks.code_execution import (
+from specdistill.tasks import code_execution
+from specdistill.tasks.code_execution import (
     Limits,
     SandboxUnavailableError,
     check_sandbox,

@@ -13,7 +13,7 @@ from specdistill.data.datamodule import TaskDataModule
 from specdistill.losses import ForwardKL, ReverseKL, forward_kl
 from specdistill.selection.reference import CachedReferenceScores, OnlineReference, cached_reference_scores
 from specdistill.selection.scoring import pad_scores, score_batch
-from tasks.arith import Arith
+from specdistill.tasks.arith import Arith
 
 
 def _rows(model, batch, mask) -> torch.Tensor:

@@ -9,10 +9,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from tasks.base import TaskDataError
-from tasks.code_execution import CodeExecutionDisabledError, run_python
-from tasks.gsm8k import GSM8K
-from tasks.metrics import normalise_number, rouge_l_f
+from specdistill.tasks.base import TaskDataError
+from specdistill.tasks.code_execution import CodeExecutionDisabledError, run_python
+from specdistill.tasks.gsm8k import GSM8K
+from specdistill.tasks.metrics import normalise_number, rouge_l_f
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"

@@ -125,7 +125,7 @@ def test_unreachable_hub_id_while_offline_is_named(monkeypatch):
 
 
 def test_code_execution_without_isolation_is_refused_before_loading(monkeypatch):
-    from tasks import code_execution
+    from specdistill.tasks import code_execution
 
     monkeypatch.setattr(code_execution, "namespaces_unavailable", lambda: "user namespaces are disabled")
     with pytest.raises(code_execution.SandboxUnavailableError, match="task.sandbox=process"):
@@ -170,7 +170,7 @@ def test_gsm8k_answer_without_hashes_names_the_row_before_training(tmp_path):
 def test_every_example_longer_than_max_length_is_counted_and_warned(caplog):
     from specdistill.data.arith_tokenizer import arith_tokenizer
     from specdistill.data.datamodule import TaskDataModule
-    from tasks.arith import Arith
+    from specdistill.tasks.arith import Arith
 
     task = Arith(sizes={"train": 12, "validation": 4, "test": 4})
     with caplog.at_level(logging.WARNING):

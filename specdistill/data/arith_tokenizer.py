@@ -17,7 +17,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import PreTrainedTokenizerFast
 
 from specdistill.data.arith import DEFAULT_SIZES, GENERATOR_VERSION, generate_split
-from tasks.gsm8k import gsm8k_answer, gsm8k_prompt
+from specdistill.tasks.gsm8k import gsm8k_answer, gsm8k_prompt
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"

@@ -16,7 +16,7 @@ from specdistill.data.collate import BATCH_KEYS, Collator
 from specdistill.data.sampler import WindowedDataset, WindowedSampler
 from specdistill.data.tokenize import IGNORE_INDEX, tokenize_records, truncation_policy
 from specdistill.errors import DataError
-from tasks.base import SPLITS, Task
+from specdistill.tasks.base import SPLITS, Task
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
-from tasks.base import Record, Task
+from specdistill.tasks.base import Record, Task
 
 
 def render_prompt(task: Task, record: Record, tokenizer: PreTrainedTokenizerBase) -> str:

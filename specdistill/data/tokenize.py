@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from specdistill.data.formatting import render_prompt
-from tasks.base import Record, Task
+from specdistill.tasks.base import Record, Task
 
 log = logging.getLogger(__name__)
 
