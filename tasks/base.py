@@ -29,6 +29,8 @@ from typing import Any, ClassVar
 
 import datasets
 
+from specdistill.errors import DataError
+
 log = logging.getLogger(__name__)
 
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
@@ -40,8 +42,9 @@ Record = dict[str, Any]
 Prompt = str | list[dict[str, str]]
 
 
-class TaskDataError(ValueError):
-    """A task's data cannot be loaded as configured (missing file, empty split, unknown split, offline hub)."""
+class TaskDataError(DataError):
+    """A task's data cannot be loaded as configured (missing file, empty split, unknown split, offline hub, a
+    malformed row: the message names the file and the row)."""
 
 
 class Task:
@@ -130,6 +133,12 @@ class Task:
         """Whether a record is usable; a subclass that overrides this has the others skipped (and counted) on load."""
         return True
 
+    def record_problem(self, record: Record) -> str | None:
+        """What makes a record wrong (an error naming its row on load), or None; default: a required field is
+        missing or null."""
+        missing = [c for c in self.required_columns if record.get(c) is None]
+        return f"no value for {missing}" if missing else None
+
     @property
     def scoring_available(self) -> bool:
         """Whether `score` can run as configured (code tasks need `execute_code: true`)."""
@@ -183,6 +192,7 @@ class Task:
                 f"Split {split!r} of task {self.name!r} lacks columns {missing} (has {ds.column_names}); "
                 f"records need the schema {list(self.required_columns)}."
             )
+        self._check_records(ds, split)
         if type(self).valid_record is not Task.valid_record and len(ds):
             n_before = len(ds)
             ds = ds.filter(self.valid_record)
@@ -199,6 +209,17 @@ class Task:
                 "check the data file or the split / max_examples settings."
             )
         return ds
+
+    def _check_records(self, ds: datasets.Dataset, split: str) -> None:
+        """Raise on the first record with a problem (see `record_problem`), naming the source and the row."""
+        for row, record in enumerate(ds):
+            problem = self.record_problem(record)
+            if problem:
+                where = self._describe_source(split)
+                raise TaskDataError(
+                    f"{where}, {split} row {row} (0-based, in file order): {problem}. Fix or remove that record "
+                    f"(task {self.name!r} needs {list(self.required_columns)})."
+                )
 
     def _how_to_add(self, split: str) -> str:
         if self.local:
@@ -315,4 +336,36 @@ def _load_files(files: Files) -> datasets.Dataset:
         )
     if all(Path(p).stat().st_size == 0 for p in paths):
         raise TaskDataError(f"Data file(s) {paths} are empty; the split needs at least one record.")
-    return datasets.load_dataset(builders.pop(), data_files=paths, split="train")
+    builder = builders.pop()
+    if builder == "json":
+        for path in paths:
+            _check_json(Path(path))
+    try:
+        return datasets.load_dataset(builder, data_files=paths, split="train")
+    except Exception as err:  # datasets wraps the parser's error in DatasetGenerationError without the file
+        raise TaskDataError(f"Could not read {paths} as {builder}: {type(err).__name__}: {err}") from err
+
+
+def _check_json(path: Path) -> None:
+    """A JSON file (one document) or JSON Lines file (one object per line); a bad line is named by its number."""
+    import json
+
+    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        json.loads(text)
+        return
+    except json.JSONDecodeError:
+        pass
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise TaskDataError(
+                f"{path}, line {number}: not valid JSON ({err.msg} at column {err.colno}); fix or remove that line."
+            ) from err
+        if not isinstance(record, dict):
+            raise TaskDataError(
+                f"{path}, line {number}: a {type(record).__name__}, not a JSON object (a record)."
+            )

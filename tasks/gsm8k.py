@@ -69,6 +69,17 @@ class GSM8K(Task):
     def extract_answer(self, text: str) -> str | None:
         return extract_final_number(text)
 
+    def record_problem(self, record: Record) -> str | None:
+        """A record must hold both fields and an answer ending in "#### <number>" (what scoring compares)."""
+        problem = super().record_problem(record)
+        if problem:
+            return problem
+        if "####" not in record["answer"]:
+            return f"the answer has no '#### <number>' line: {record['answer'][-80:]!r}"
+        if normalise_number(record["answer"].rsplit("####", 1)[1]) is None:
+            return f"the answer's '####' line is not a number: {record['answer'][-80:]!r}"
+        return None
+
     def reference_number(self, record: Record) -> str:
         """The gold final number of a record (after GSM8K's "####")."""
         if "####" not in record["answer"]:

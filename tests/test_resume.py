@@ -55,6 +55,8 @@ def test_run_directory_of_another_run_is_refused_with_the_fix(tmp_path: Path) ->
         )
     )
     check_run_dir(tmp_path, same)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"")  # the first run trained: the folder is taken
     other = run_fingerprint(composed("stage=distill", "distill.optimizer.lr=1e-3"))
     with pytest.raises(ValueError, match=r"distill\.optimizer\.lr.*hydra\.run\.dir"):
         check_run_dir(tmp_path, other)

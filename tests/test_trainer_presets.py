@@ -298,7 +298,11 @@ def _zero3_on_cpu(out_dir: str, port: int) -> None:
     trained.save_checkpoint(str(ckpt), client_state={"global_step": 1}, tag="checkpoint")
     with deepspeed.zero.GatheredParameters(list(holder.parameters())):
         weights = {k: v.clone() for k, v in holder.draft.state_dict().items()}
-    export = deepspeed_checkpoint_to_hf(ckpt, lambda: DraftHolder(tiny_model()), Path(out_dir) / "export")
+    with pytest.raises(FileNotFoundError, match="no specdistill_fingerprint.json"):
+        deepspeed_checkpoint_to_hf(ckpt, lambda: DraftHolder(tiny_model()), Path(out_dir) / "refused")
+    export = deepspeed_checkpoint_to_hf(
+        ckpt, lambda: DraftHolder(tiny_model()), Path(out_dir) / "export", trust_unsigned=True
+    )
     reloaded = AutoModelForCausalLM.from_pretrained(export).state_dict()
     assert reloaded.keys() == weights.keys()
     for name, tensor in reloaded.items():

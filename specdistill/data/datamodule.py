@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from specdistill.data.collate import BATCH_KEYS, Collator
 from specdistill.data.sampler import WindowedDataset, WindowedSampler
 from specdistill.data.tokenize import IGNORE_INDEX, tokenize_records, truncation_policy
+from specdistill.errors import DataError
 from specdistill.tasks.base import SPLITS, Task
 
 log = logging.getLogger(__name__)
@@ -128,7 +129,7 @@ class TaskDataModule(L.LightningDataModule):
                     self.task.name, split, self.dropped[split], len(records), self.max_length, self.truncation,
                 )  # fmt: skip
             if not encoded:
-                raise ValueError(
+                raise DataError(
                     f"Split {split!r} of task {self.task.name!r} is empty after tokenisation: all {len(records)} "
                     f"examples lost their answer to truncation (max_length={self.max_length}, "
                     f"truncation={self.truncation!r}); raise max_length."

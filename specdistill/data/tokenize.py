@@ -17,6 +17,7 @@ An example left with no answer token to predict (no label after the shift) is dr
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -24,6 +25,8 @@ from transformers import PreTrainedTokenizerBase
 
 from specdistill.data.formatting import render_prompt
 from specdistill.tasks.base import Record, Task
+
+log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
 
@@ -118,6 +121,14 @@ def tokenize_records(
     prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"] if prompts else []
     answer_ids = tokenizer(answers, add_special_tokens=False)["input_ids"] if answers else []
     encoded, kept = [], []
+    pairs = zip(prompt_ids, answer_ids, strict=True)
+    truncated = sum(len(prefix) + len(p) + len(a) + 1 > max_length for p, a in pairs)
+    if truncated:
+        log.warning(
+            "%s: %d of %d examples are longer than max_length=%d and are truncated (truncation=%r)%s",
+            task.name, truncated, len(records), max_length, truncation,
+            "; every one of them: raise max_length" if truncated == len(records) else "",
+        )  # fmt: skip
     for i, (p, a) in enumerate(zip(prompt_ids, answer_ids, strict=True)):
         example = encode_pair(prefix + list(p), a, tokenizer.eos_token_id, max_length, policy)
         if example is not None:

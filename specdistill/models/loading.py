@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from specdistill.errors import InputFileError
+
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -79,7 +81,7 @@ def load_model(spec: ModelSpec, vocab_size: int | None = None) -> PreTrainedMode
         path = spec.pretrained_model_name_or_path
         local = Path(path).expanduser()
         if (path.startswith((".", "/", "~")) or local.exists()) and not (local / "config.json").is_file():
-            raise FileNotFoundError(
+            raise InputFileError(
                 f"No Hugging Face model at {local}: expected a directory with config.json (a hub id or the "
                 "export directory of an earlier stage, e.g. <run_dir>/export)."
             )

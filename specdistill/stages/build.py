@@ -27,7 +27,8 @@ from specdistill.models.loading import is_placed_across_devices
 from specdistill.models.precision import MasterWeightsCheck, check_training_precision, trainable_spec
 from specdistill.models.tokenizer import ensure_pad_token, load_tokenizer
 from specdistill.utils.batching import BatchPlan, batch_plan, world_size
-from specdistill.utils.cluster import scaleout_callbacks
+from specdistill.utils.cluster import RunFingerprint, scaleout_callbacks
+from specdistill.utils.run_dir import check_checkpoint
 from specdistill.utils.strategy import check_devices, full_weights
 from specdistill.utils.wandb_logger import log_export
 
@@ -261,6 +262,8 @@ def fit(trainer: L.Trainer, module: L.LightningModule, datamodule: L.LightningDa
     # a DeepSpeed checkpoint is a directory
     ckpt_path = str(last) if last.exists() else None
     if ckpt_path:
+        signed = [c.fingerprint for c in trainer.callbacks if isinstance(c, RunFingerprint)]
+        check_checkpoint(last, signed[0] if signed else None)  # complete, and (a directory) this run's
         log.info("resuming from %s", ckpt_path)
     # resuming reads the checkpoint with torch.load(weights_only=True): tensors and plain containers only
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True if ckpt_path else None)

@@ -18,7 +18,6 @@ model or configuration.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -31,20 +30,21 @@ from typing import Any
 import lightning as L
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
+
+from specdistill.utils.fingerprint import (  # noqa: F401  (re-exported: the fingerprints' historical home)
+    BASE_FINGERPRINT_KEYS,
+    CHECKPOINT_SIGNATURE,
+    FINGERPRINT_FILE,
+    FINGERPRINT_KEYS,
+    RESUMABLE_LEAF_KEYS,
+    config_differences,
+    run_fingerprint,
+)
 
 log = logging.getLogger(__name__)
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"
-FINGERPRINT_FILE = "run_fingerprint.json"
-# What identifies a training run: the stage, its settings group (conf/<stage>/) and the groups that shape training.
-# Other groups (other stages' settings, where it runs and logs, on what hardware) may change between a run and its
-# resume, and so may how long it trains and how it is evaluated (leaf keys below).
-FINGERPRINT_KEYS = ("seed", "models", "task", "divergence", "selector")
-RESUMABLE_LEAF_KEYS = frozenset(
-    {"max_steps", "max_epochs", "val_check_interval", "limit_val_batches", "eval_batch_size", "eval_examples",
-     "eval_max_new_tokens"}
-)  # fmt: skip
 DEBUG_SIGNAL_ENV = "SPECDISTILL_SIGNAL_AT_STEP"
 
 
@@ -167,88 +167,46 @@ class SignalAtStep(L.Callback):
 # -- fingerprints --------------------------------------------------------------------------------------------------
 
 
-def _digest(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _drop_leaves(obj: Any, names: frozenset[str]) -> Any:
-    if isinstance(obj, dict):
-        return {k: _drop_leaves(v, names) for k, v in obj.items() if k not in names}
-    if isinstance(obj, list):
-        return [_drop_leaves(v, names) for v in obj]
-    return obj
-
-
-def run_fingerprint(cfg: DictConfig | Mapping[str, Any], stage: str | None = None) -> dict[str, Any]:
-    """What identifies a run: the resolved `FINGERPRINT_KEYS` and the stage's settings group, minus resumable leaves.
-
-    Args:
-        cfg: the job config.
-        stage: the stage whose settings group (`cfg[stage]`, e.g. `distill`) counts; default `cfg.stage.name`.
-
-    Returns:
-        `{"fingerprint": <hash of config>, "models": <hash of the models config>, "config": <the config>}`.
-    """
-    stage = stage or str(OmegaConf.select(cfg, "stage.name", default="") if OmegaConf.is_config(cfg) else "")
-    config: dict[str, Any] = {"stage": stage}
-    for key in (*FINGERPRINT_KEYS, stage):
-        if not key or key not in cfg:
-            continue
-        node = cfg[key]
-        value = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
-        config[key] = _drop_leaves(value, RESUMABLE_LEAF_KEYS)
-    return {"fingerprint": _digest(config), "models": _digest(config.get("models")), "config": config}
-
-
-def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(obj, dict):
-        out: dict[str, Any] = {}
-        for k, v in obj.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix.rstrip("."): obj}
-
-
-def config_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
-    """Dotted keys whose values differ between two config dictionaries (added and removed keys included)."""
-    a, b = _flatten(dict(old)), _flatten(dict(new))
-    return sorted(k for k in a.keys() | b.keys() if a.get(k, "<absent>") != b.get(k, "<absent>"))
-
-
 def check_run_dir(out_dir: str | Path, fingerprint: Mapping[str, Any]) -> None:
     """Refuse to run in a directory that holds another run; record this run's fingerprint there otherwise.
 
+    See `specdistill.utils.run_dir.check_stage_dir` (a folder without results does not lock it).
+
     Raises:
-        ValueError: `<out_dir>/run_fingerprint.json` exists with a different fingerprint.
+        RunDirConflictError (a ValueError): the directory holds results of a run with another fingerprint.
     """
-    path = Path(out_dir) / FINGERPRINT_FILE
-    if path.is_file():
-        previous = json.loads(path.read_text())
-        if previous.get("fingerprint") != fingerprint["fingerprint"]:
-            changed = config_differences(previous.get("config", {}), fingerprint["config"])
-            raise ValueError(
-                f"{out_dir} holds another run (its {FINGERPRINT_FILE} differs in: {', '.join(changed[:10]) or '?'})"
-                f"; resuming there would mix two runs. Use a new directory (hydra.run.dir=<new dir>, or drop "
-                "hydra.run.dir to get a fresh one) or run with the same settings to resume it."
-            )
-        return
-    if rank_zero_only.rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(dict(fingerprint), indent=2, sort_keys=True, default=str))
-        tmp.replace(path)
+    from specdistill.utils.run_dir import check_stage_dir, write_record
+
+    if check_stage_dir(out_dir, fingerprint) == "fresh" and rank_zero_only.rank == 0:
+        write_record(out_dir, fingerprint)
 
 
 class RunFingerprint(L.Callback):
     """Write the run's model fingerprint into every checkpoint and refuse to load a checkpoint of other models.
 
-    Stored under `checkpoint["specdistill"] = {"models": <hash>, "fingerprint": <hash>, "models_config": {...}}`.
+    Stored under `checkpoint["specdistill"] = {"models": <hash>, "fingerprint": <hash>, "models_config": {...}}`;
+    a checkpoint directory (DeepSpeed) also gets `CHECKPOINT_SIGNATURE` beside its files once saved, which
+    `specdistill.utils.run_dir.check_checkpoint` reads before DeepSpeed unpickles anything.
     """
 
     def __init__(self, fingerprint: Mapping[str, Any]) -> None:
         self.models = fingerprint["models"]
         self.fingerprint = fingerprint["fingerprint"]
         self.models_config = fingerprint["config"].get("models")
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        strategy = trainer.strategy
+        if getattr(strategy.save_checkpoint, "_specdistill_signs", False):
+            return
+        save = strategy.save_checkpoint
+
+        def save_and_sign(checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
+            save(checkpoint, filepath, storage_options=storage_options)
+            if Path(filepath).is_dir() and trainer.is_global_zero:
+                sign_checkpoint_dir(filepath, {"fingerprint": self.fingerprint, "models": self.models})
+
+        save_and_sign._specdistill_signs = True  # type: ignore[attr-defined]
+        strategy.save_checkpoint = save_and_sign  # type: ignore[method-assign]
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         checkpoint["specdistill"] = {
@@ -273,14 +231,28 @@ class RunFingerprint(L.Callback):
             )
 
 
+def sign_checkpoint_dir(path: str | Path, signature: Mapping[str, Any]) -> None:
+    """Write `CHECKPOINT_SIGNATURE` (the run's fingerprint) into a checkpoint directory."""
+    target = Path(path) / CHECKPOINT_SIGNATURE
+    tmp = target.with_suffix(".tmp")
+    tmp.write_text(json.dumps(dict(signature), sort_keys=True))
+    tmp.replace(target)
+
+
 def scaleout_callbacks(cfg: DictConfig, out_dir: str | Path, stage: str) -> list[L.Callback]:
     """Callbacks every training stage gets: fingerprints (checked now) and checkpoint-on-signal.
 
-    Checks `out_dir` against this run's fingerprint (`stage` names the settings group that counts) first; raises
-    ValueError for another run's directory.
+    Uses the record train.py wrote into `out_dir`; without one, checks `out_dir` against this run's fingerprint
+    (`stage` names the settings group that counts) first and raises RunDirConflictError for another run's folder.
     """
-    fingerprint = run_fingerprint(cfg, stage)
-    check_run_dir(out_dir, fingerprint)
+    from specdistill.utils.run_dir import read_record
+
+    # train.py (or the pipeline, for a step) checked the folder and wrote its record before anything else; a stage
+    # called directly (tests, notebooks) is checked here
+    fingerprint = read_record(out_dir)
+    if fingerprint is None:
+        fingerprint = run_fingerprint(cfg, stage)
+        check_run_dir(out_dir, fingerprint)
     callbacks: list[L.Callback] = []
     debug_step = os.environ.get(DEBUG_SIGNAL_ENV)
     if debug_step:

@@ -154,8 +154,13 @@ def deepspeed_checkpoint_to_hf(
     model_attr: str = "draft",
     tokenizer: Any = None,
     metadata: Mapping[str, Any] | None = None,
+    fingerprint: str | None = None,
+    trust_unsigned: bool = False,
 ) -> Path:
     """Turn a DeepSpeed (ZeRO-2/3) checkpoint directory into the Hugging Face export of the trained model.
+
+    DeepSpeed's `zero_to_fp32` unpickles the checkpoint (`torch.load(weights_only=False)`), so only a checkpoint
+    signed with the expected run fingerprint is read (`specdistill.utils.run_dir.check_checkpoint`).
 
     Args:
         ckpt_dir: the checkpoint directory Lightning wrote (e.g. `<run_dir>/checkpoints/last.ckpt/`).
@@ -166,6 +171,10 @@ def deepspeed_checkpoint_to_hf(
             `model` for SFTModule).
         tokenizer: saved beside the weights when given.
         metadata: written to `specdistill.json` beside the weights.
+        fingerprint: the run fingerprint the checkpoint must carry; default: the one in the `run_fingerprint.json`
+            of the run folder holding it (`<run_dir>/checkpoints/<ckpt>`).
+        trust_unsigned: convert a directory without a signature (written by DeepSpeed directly, not by a
+            specdistill run): only for checkpoints you wrote yourself.
 
     Returns:
         `out_dir`.
@@ -179,6 +188,12 @@ def deepspeed_checkpoint_to_hf(
             f"{ckpt_dir} is not a DeepSpeed checkpoint directory (a Lightning DeepSpeed checkpoint is a folder "
             "holding 'checkpoint/' and 'latest'); for a single-file checkpoint load its state_dict directly"
         )
+    if not trust_unsigned:
+        from specdistill.utils.run_dir import check_checkpoint, read_record
+
+        if fingerprint is None:
+            fingerprint = (read_record(ckpt_dir.parent.parent) or {}).get("fingerprint")
+        check_checkpoint(ckpt_dir, fingerprint)
     with tempfile.TemporaryDirectory() as tmp:
         # Lightning's converter gathers the fp32 partitions of every rank into one file (rank-independent).
         state = convert_zero_checkpoint_to_fp32_state_dict(str(ckpt_dir), str(Path(tmp) / "fp32.ckpt"))

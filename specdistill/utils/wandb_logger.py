@@ -86,11 +86,14 @@ def run_name(save_dir: str | Path) -> str:
 
 
 def job_config() -> dict[str, Any] | None:
-    """The job's resolved config, read from Hydra's `.hydra/config.yaml` of this run (None outside Hydra)."""
+    """The job's resolved config, read from `.hydra/config.yaml` of this run (None outside Hydra).
+
+    train.py writes that file itself once the run folder is checked (`hydra.output_subdir` is null).
+    """
     hc = _hydra()
-    if hc is None or not hc.output_subdir:
+    if hc is None:
         return None
-    path = Path(hc.runtime.output_dir) / hc.output_subdir / "config.yaml"
+    path = Path(hc.runtime.output_dir) / ".hydra" / "config.yaml"
     if not path.is_file():
         return None
     cfg = OmegaConf.load(path)

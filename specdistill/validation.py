@@ -1,0 +1,285 @@
+"""Checks of a composed config that need no model and no data: run by train.py before anything is loaded or written.
+
+Each check raises a `specdistill.errors.UserError` naming the key or file and the fix, so a wrong setting costs a
+second, not a model download and a 60-line traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from specdistill.errors import ConfigError, InputFileError
+
+log = logging.getLogger(__name__)
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+# a hub id: "name" or "namespace/name"; anything else that does not exist is a mistyped local path
+_REPO_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """All the checks below, in the order a user would want to hear about them."""
+    check_added_keys(cfg)
+    for stage in running_stages(cfg):
+        check_stage_settings(cfg, stage)
+    check_drafts_given(cfg)
+    check_reference_given(cfg)
+    for key, path in model_paths(cfg):
+        check_model_source(key, path)
+    for key, path in input_dirs(cfg):
+        if not Path(path).expanduser().exists():
+            raise InputFileError(
+                f"{key}={path}: no such file or directory; pass the folder an earlier run wrote."
+            )
+    check_code_execution(cfg)
+
+
+def running_stages(cfg: DictConfig) -> list[str]:
+    """The stages this launch runs: the pipeline's steps, or the one stage."""
+    if cfg.stage.get("steps") is not None and "pipeline" in cfg:
+        return [str(s) for s in cfg.pipeline.steps]
+    return [str(cfg.stage.name)]
+
+
+# -- settings -------------------------------------------------------------------------------------------------------
+
+
+def check_stage_settings(cfg: DictConfig, stage: str) -> None:
+    settings = cfg.get(stage)
+    if settings is None:
+        return
+    if "k" in settings:  # AdaSPEC's kept fraction (the one key for that concept)
+        k = settings.get("k")
+        if not isinstance(k, int | float) or isinstance(k, bool) or not 0 < k <= 1:
+            raise ConfigError(
+                f"{stage}.k={k!r}: the fraction of answer tokens AdaSPEC trains on must be in (0, 1], e.g. "
+                f"{stage}.k=0.4 (1.0 trains on every token, as DistillSpec)."
+            )
+    if "trainer" in settings and "trainer" in cfg:
+        from specdistill.stages.build import trainer_config
+
+        trainer = trainer_config(cfg, stage)
+        for key in ("max_steps", "max_epochs"):
+            if trainer.get(key) == 0:
+                raise ConfigError(
+                    f"{key}=0 for stage {stage}: it would export an untrained model and report success. Set "
+                    f"trainer.{key} (or ++{stage}.trainer.{key}) to a positive number, or -1/null for no limit."
+                )
+
+
+def check_drafts_given(cfg: DictConfig) -> None:
+    """A stage run alone with no drafts uses the pair's draft: refuse when that one is only random weights."""
+    stage = str(cfg.stage.name)
+    settings = cfg.get(stage)
+    if settings is None or "drafts" not in settings or settings.drafts:
+        return
+    draft = cfg.models.get("draft")
+    if draft is not None and draft.get("pretrained_model_name_or_path"):
+        return
+    raise ConfigError(
+        f"{stage}.drafts is empty and models.draft is built with random weights: there is no trained draft to "
+        f"{stage}. Add +{stage}.drafts.<name>=<run_dir>/export (an export of distill or adaspec), or set "
+        "models.draft.pretrained_model_name_or_path=<hub id or directory>."
+    )
+
+
+def filled_by_earlier_steps(cfg: DictConfig, stage: str) -> set[str]:
+    """The config keys that pipeline steps before `stage` fill with their outputs (empty outside a pipeline)."""
+    if cfg.stage.get("steps") is None or "pipeline" not in cfg:
+        return set()
+    keys: set[str] = set()
+    for name in running_stages(cfg):
+        if name == stage:
+            break
+        for targets in (cfg.stage.steps[name].get("outputs") or {}).values():
+            keys.update(str(t) for t in targets)
+    return keys
+
+
+def check_reference_given(cfg: DictConfig) -> None:
+    """A stage with a `reference` setting (AdaSPEC's reference model) needs one, or an earlier step that fills it."""
+    for stage in running_stages(cfg):
+        settings = cfg.get(stage)
+        if settings is None or "reference" not in settings or settings.reference:
+            continue
+        if f"{stage}.reference" in filled_by_earlier_steps(cfg, stage):
+            continue
+        raise ConfigError(
+            f"{stage}.reference is not set: pass the export directory of a `distill` run "
+            f"({stage}.reference=<distill_run_dir>/export), or run stage=pipeline with a distill step, which wires it."
+        )
+
+
+def check_added_keys(cfg: DictConfig) -> None:
+    """Refuse a `+key=value` (or `++`) that adds a setting nothing reads (a misspelt key is otherwise ignored).
+
+    An added key is accepted where adding one means something: under a node built with `_target_` (it becomes an
+    argument, and a wrong one fails loudly), under a `trainer` block or a model `config` (keyword arguments of the
+    Lightning Trainer and of the Hugging Face config), in a map that is empty by default (`evaluate.drafts`), or
+    when the value is itself an object with `_target_`. The defaults are composed again without the added keys to
+    tell which existed.
+    """
+    from hydra import compose
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if not HydraConfig.initialized():
+        return
+    lines = list(HydraConfig.get().overrides.task)
+    overrides = OverridesParser.create().parse_overrides(lines)
+    added = [
+        o
+        for o in overrides
+        if (o.is_add() or o.is_force_add()) and o.package is None and not (CONF_DIR / o.key_or_group).is_dir()
+    ]  # fmt: skip  (+experiment=... adds a config group, not a key)
+    if not added:
+        return
+    kept = [line for line, o in zip(lines, overrides, strict=True) if o not in added]
+    try:
+        baseline = compose(config_name=HydraConfig.get().job.config_name, overrides=kept)
+    except Exception as error:  # e.g. a launcher that runs the job without Hydra's global state
+        log.warning("could not check the '+' overrides %s (%s)", [o.input_line for o in added], error)
+        return
+    for override in added:
+        key = override.key_or_group
+        if OmegaConf.select(baseline, key, default=_ABSENT) is not _ABSENT:
+            continue  # ++ on an existing key overrides it
+        parent_key, _, name = key.rpartition(".")
+        parent = OmegaConf.select(baseline, parent_key, default=None) if parent_key else baseline
+        value = OmegaConf.select(cfg, key)
+        if isinstance(value, DictConfig) and "_target_" in value:
+            continue
+        if isinstance(parent, DictConfig) and (
+            "_target_" in parent or parent_key.rpartition(".")[2] in ("trainer", "config") or len(parent) == 0
+        ):
+            continue
+        known = [str(k) for k in parent.keys()] if isinstance(parent, DictConfig) else []
+        hint = difflib.get_close_matches(name, known, n=1)
+        where = f"{parent_key}." if parent_key else ""
+        raise ConfigError(
+            f"{override.input_line}: adds {key!r}, which nothing reads"
+            + (f" (did you mean {where}{hint[0]}?)" if hint else "")
+            + ". Drop the '+' to override an existing key"
+            + (
+                f"; {parent_key or 'the top level'} has: {', '.join(known[:15])}"
+                if known
+                else f"; {parent_key} does not exist"
+            )  # fmt: skip
+            + "."
+        )
+
+
+_ABSENT = object()
+
+
+# -- models and files -----------------------------------------------------------------------------------------------
+
+
+def model_paths(cfg: DictConfig) -> Iterator[tuple[str, str]]:
+    """(key, value) of every model a running stage loads by name: the pair's and the drafts' exports."""
+    for role, node in (cfg.get("models") or {}).items():
+        if isinstance(node, DictConfig) and node.get("pretrained_model_name_or_path"):
+            yield f"models.{role}.pretrained_model_name_or_path", str(node.pretrained_model_name_or_path)
+    for stage in running_stages(cfg):
+        settings = cfg.get(stage)
+        if settings is None:
+            continue
+        for name, path in (settings.get("drafts") or {}).items():
+            if path:
+                yield f"{stage}.drafts.{name}", str(path)
+        if settings.get("reference"):
+            yield f"{stage}.reference", str(settings.reference)
+
+
+def input_dirs(cfg: DictConfig) -> Iterator[tuple[str, str]]:
+    """(key, value) of the other folders a running stage reads (acceptance heads, rollouts)."""
+    for stage in running_stages(cfg):
+        settings = cfg.get(stage)
+        for group in ("heads", "rollouts"):
+            for name, path in ((settings.get(group) if settings is not None else None) or {}).items():
+                if path:
+                    yield f"{stage}.{group}.{name}", str(path)
+
+
+def is_local_path(path: str) -> bool:
+    return path.startswith((".", "/", "~")) or Path(path).expanduser().exists() or not _REPO_ID.match(path)
+
+
+def check_model_source(key: str, path: str) -> None:
+    """A local model folder must hold `config.json` and readable safetensors; a hub id must be reachable.
+
+    Raises:
+        InputFileError: naming the folder or file and what to pass instead.
+    """
+    if is_local_path(path):
+        check_model_dir(key, Path(path).expanduser())
+    elif _offline() and not _in_hub_cache(path):
+        raise InputFileError(
+            f"{key}={path}: this hub id is not in the local cache and the hub is offline (HF_HUB_OFFLINE=1). "
+            "Download it once with network access, or pass a local directory."
+        )
+
+
+def check_model_dir(key: str, folder: Path) -> None:
+    if not folder.is_dir():
+        raise InputFileError(
+            f"{key}={folder}: no such directory. Pass a hub id (namespace/name) or an existing directory, e.g. "
+            "<run_dir>/export of an earlier stage."
+        )
+    if not (folder / "config.json").is_file():
+        raise InputFileError(
+            f"{key}={folder}: no config.json there, so it is not a Hugging Face model folder. Pass the export "
+            "directory of an earlier stage (<run_dir>/export) or a folder written by save_pretrained."
+        )
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        raise InputFileError(
+            f"{key}={folder}: no *.safetensors weights (specdistill loads safetensors only). Re-export the model, "
+            "or convert it with save_pretrained(safe_serialization=True)."
+        )
+    for file in weights:
+        check_safetensors(file)
+
+
+def check_safetensors(file: Path) -> None:
+    """Open `file`'s header and check that its tensors fit in the file (a truncated copy does not)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            handle.keys()
+    except Exception as error:  # safetensors raises its own SafetensorError, or OSError
+        raise InputFileError(
+            f"{file} is not a readable safetensors file ({error}); it was probably cut short while copying or "
+            "writing. Copy or export it again."
+        ) from error
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+# -- generated code -------------------------------------------------------------------------------------------------
+
+
+def check_code_execution(cfg: DictConfig) -> None:
+    """With `task.execute_code=true`, the sandbox it asks for must be available here (checked before loading)."""
+    task = cfg.get("task")
+    if task is None or not task.get("execute_code"):
+        return
+    from specdistill.tasks.code_execution import check_sandbox
+
+    check_sandbox(task.get("sandbox", "namespaces"))

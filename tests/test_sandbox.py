@@ -1,0 +1,241 @@
+"""Generated code in the sandbox (tasks/code_execution.py): each hostile behaviour a model's program could have."""
+
+from __future__ import annotations
+
+import os
+import socket
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from specdistill.errors import ConfigError
+from specdistill.tasks import code_execution
+from specdistill.tasks.code_execution import (
+    Limits,
+    SandboxUnavailableError,
+    check_sandbox,
+    namespaces_unavailable,
+    run_python,
+)
+
+isolated = pytest.mark.skipif(
+    namespaces_unavailable() is not None, reason=f"no namespace sandbox here: {namespaces_unavailable()}"
+)
+
+
+def program(source: str) -> str:
+    return textwrap.dedent(source)
+
+
+def processes_with(marker: str) -> list[int]:
+    """Pids (seen from here) whose command line holds `marker`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def sleeper(marker: str) -> str:
+    """Python source that replaces the current process with a 60 s sleep carrying `marker` on its command line."""
+    return f"os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])"
+
+
+@isolated
+def test_sandbox_child_cannot_read_the_parents_environment(monkeypatch):
+    secret = f"hf_{uuid.uuid4().hex}"
+    monkeypatch.setenv("HF_TOKEN", secret)
+    result = run_python(
+        program(f"""
+        import os, sys
+        assert set(os.environ) <= {{'LC_CTYPE'}}, dict(os.environ)  # Python's own C-locale coercion (PEP 538)
+        for pid in [os.getppid(), *[p for p in os.listdir('/proc') if p.isdigit()]]:
+            try:
+                data = open(f'/proc/{{pid}}/environ', 'rb').read()
+            except OSError:
+                continue
+            assert {secret!r}.encode() not in data, pid
+        # the parent is not even visible: the program is pid 1 of its own namespace
+        assert os.getpid() == 1 and sorted(p for p in os.listdir('/proc') if p.isdigit()) == ['1']
+    """)
+    )
+    assert result.passed, result.stderr_tail
+
+
+@isolated
+def test_sandbox_background_process_of_a_passing_program_is_killed():
+    marker = f"specdistill-bg-{uuid.uuid4().hex}"
+    result = run_python(
+        program(f"""
+        import os, sys
+        if os.fork() == 0:
+            {sleeper(marker)}
+    """)
+    )
+    assert result.passed, result.stderr_tail
+    time.sleep(0.2)
+    assert processes_with(marker) == []
+
+
+@isolated
+def test_sandbox_setsid_child_does_not_survive_the_timeout():
+    marker = f"specdistill-setsid-{uuid.uuid4().hex}"
+    result = run_python(
+        program(f"""
+        import os, sys, time
+        if os.fork() == 0:
+            os.setsid()
+            {sleeper(marker)}
+        while True:
+            time.sleep(1)
+    """),
+        timeout_s=2,
+    )
+    assert result.timed_out and not result.passed
+    time.sleep(0.2)
+    assert processes_with(marker) == []
+
+
+@isolated
+def test_sandbox_fork_bomb_hits_the_process_limit():
+    # passes only if fork fails before 400 processes exist; the children sleep, so they all coexist
+    result = run_python(
+        program("""
+        import os, sys, time
+        for n in range(400):
+            try:
+                pid = os.fork()
+            except OSError:
+                sys.exit(0)
+            if pid == 0:
+                time.sleep(30)
+                os._exit(0)
+        sys.exit(1)
+    """),
+        limits=Limits(timeout_s=20, max_processes=32),
+    )
+    assert result.passed, result.stderr_tail
+
+
+@isolated
+def test_sandbox_cannot_write_outside_its_folder(tmp_path):
+    target = tmp_path / "export" / "model.safetensors"
+    target.parent.mkdir()
+    target.write_bytes(b"weights")
+    os.chmod(tmp_path, 0o777)
+    os.chmod(target.parent, 0o777)
+    os.chmod(target, 0o666)  # the permissions allow it: only the read-only view stops it
+    result = run_python(
+        program(f"""
+        import errno, os
+        for attempt in [lambda: open({str(target)!r}, 'wb'), lambda: open({str(tmp_path / "new.txt")!r}, 'w'),
+                        lambda: os.remove({str(target)!r}), lambda: open('/tmp/escaped', 'w')]:
+            try:
+                attempt()
+            except OSError as error:
+                assert error.errno in (errno.EROFS, errno.EACCES, errno.EPERM), error
+            else:
+                raise SystemExit('wrote outside its folder')
+        open('inside.txt', 'w').write('ok')  # its own folder stays writable
+    """)
+    )
+    assert result.passed, result.stderr_tail
+    assert target.read_bytes() == b"weights" and not (tmp_path / "new.txt").exists()
+
+
+@isolated
+def test_sandbox_cannot_remount_the_file_system_writable(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("intact")
+    os.chmod(victim, 0o666)
+    result = run_python(
+        program(f"""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        MS_REMOUNT, MS_BIND = 32, 4096
+        for point in ['/', {str(tmp_path)!r}]:
+            assert libc.mount(None, point.encode(), None, ctypes.c_ulong(MS_REMOUNT | MS_BIND), None) != 0
+        status = open('/proc/self/status').read()
+        assert 'CapEff:\\t0000000000000000' in status, status
+        try:
+            open({str(victim)!r}, 'w').write('overwritten')
+        except OSError:
+            pass
+    """)
+    )
+    assert result.passed, result.stderr_tail
+    assert victim.read_text() == "intact"
+
+
+@isolated
+def test_sandbox_big_file_hits_the_file_size_limit():
+    result = run_python(
+        program("""
+        import errno
+        try:
+            with open('big.bin', 'wb') as f:
+                for _ in range(64):
+                    f.write(b'x' * 2**20)
+        except OSError as error:
+            assert error.errno == errno.EFBIG, error
+        else:
+            raise SystemExit('wrote 64 MiB')
+    """),
+        limits=Limits(timeout_s=20, file_size_mb=4),
+    )
+    assert result.passed, result.stderr_tail
+
+
+@isolated
+def test_sandbox_has_no_network():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    try:
+        result = run_python(
+            program(f"""
+            import socket
+            try:
+                socket.create_connection(('127.0.0.1', {port}), timeout=2)
+            except OSError:
+                pass
+            else:
+                raise SystemExit('reached the host network')
+        """),
+            timeout_s=10,
+        )
+        assert result.passed, result.stderr_tail
+        server.settimeout(0.1)
+        with pytest.raises(TimeoutError):
+            server.accept()
+    finally:
+        server.close()
+
+
+@isolated
+def test_sandbox_memory_and_cpu_time_are_limited():
+    memory = run_python("x = bytearray(1 << 30)", limits=Limits(timeout_s=20, memory_mb=256))
+    assert not memory.passed and "MemoryError" in memory.stderr_tail
+    started = time.monotonic()
+    spin = run_python("while True:\n    pass", limits=Limits(timeout_s=30, cpu_time_s=1))
+    assert not spin.passed and not spin.timed_out and time.monotonic() - started < 15
+
+
+def test_sandbox_refused_where_no_isolation_is_available(monkeypatch):
+    monkeypatch.setattr(code_execution, "namespaces_unavailable", lambda: "user namespaces are disabled")
+    with pytest.raises(SandboxUnavailableError, match=r"user namespaces are disabled.*task\.sandbox=process"):
+        run_python("pass")
+    with pytest.raises(SandboxUnavailableError):
+        check_sandbox("namespaces")
+    check_sandbox("process")  # the weaker mode is the user's explicit choice
+    assert run_python("import os; assert set(os.environ) <= {'LC_CTYPE'}", sandbox="process").passed
+    with pytest.raises(ConfigError, match="sandbox='docker'"):
+        check_sandbox("docker")
