@@ -16,16 +16,19 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue
 
-from specdistill.errors import UserError
+from specdistill.errors import ConfigError, UserError
 from specdistill.utils.extras import require
 from specdistill.utils.fingerprint import run_fingerprint
 from specdistill.utils.run_dir import check_stage_dir, is_rank_zero, write_record
@@ -90,6 +93,12 @@ def close_loggers() -> None:
         wandb.finish()
 
 
+def missing_key(error: MissingMandatoryValue | InterpolationToMissingValueError) -> str:
+    """The `???` key a MissingMandatoryValue is about (the interpolated one, not the key that referred to it)."""
+    found = re.search(r"Missing mandatory value: ([\w.]+)", str(error))
+    return found.group(1) if found else str(error.full_key)
+
+
 def report_user_error(error: UserError) -> None:
     """Print a user's mistake as its message only, then exit with its code (HYDRA_FULL_ERROR=1: the traceback)."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
@@ -105,6 +114,19 @@ def main(cfg: DictConfig) -> float | None:
         result = run_stage(cfg)
     except UserError as error:
         report_user_error(error)
+    except (
+        MissingMandatoryValue,
+        InterpolationToMissingValueError,
+    ) as error:  # a `???` setting, e.g. models.target_path of models=local
+        report_user_error(
+            ConfigError(
+                f"{missing_key(error)} is not set: give it on the command line ({missing_key(error)}=...)"
+            )
+        )
+    except InstantiationException as error:  # a UserError raised while Hydra built an object (e.g. the task)
+        if not isinstance(error.__cause__, UserError):
+            raise
+        report_user_error(error.__cause__)
     metric = cfg.get("optimized_metric")
     if metric:
         value = result.get(metric) if isinstance(result, dict) else None

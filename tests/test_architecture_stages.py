@@ -27,7 +27,7 @@ MAX_NEW_TOKENS = 3 * WINDOW
 
 OVERRIDES = [
     "stage=pipeline",
-    "models.target.seed=3",  # a target whose greedy output does not end at EOS at once, on every architecture
+    "models.target.seed=4",  # a target whose greedy output does not end at EOS at once, on every architecture
     "task.sizes.train=48",
     "task.sizes.validation=8",
     "task.sizes.test=8",

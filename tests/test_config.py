@@ -20,6 +20,19 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 STAGES = ["sft", "distill", "adaspec", "rollout", "acceptance_head", "evaluate"]
 TRAINING_STAGES = ["sft", "distill", "adaspec", "acceptance_head"]
 MAX_LEAVES = 80
+# options with settings the user must give (`???` paths, their own files): what these tests give them
+REQUIRED = {
+    ("models", "local"): ["models.target_path=/models/target", "models.draft_path=/models/draft"],
+    ("task", "local"): [
+        f"task.data_files={CONF.parent / 'tests' / 'fixtures' / 'local' / 'qa_train.jsonl'}",
+        "task.fields.prompt=q",
+        "task.fields.answer=a",
+    ],
+}
+
+
+def given(group: str, name: str) -> list[str]:
+    return REQUIRED.get((group, name), [])
 
 
 def options(group: str) -> list[str]:
@@ -55,8 +68,12 @@ def composed_leaves(*overrides: str) -> dict[str, object]:
 
 
 def test_default_composes_to_the_embedded_pipeline():
-    cfg = compose("train")
-    assert cfg.stage.name == "pipeline" and cfg.task.name == "arith" and cfg.models.name == "tiny"
+    cfg = compose("train", return_hydra_config=True)
+    assert (
+        cfg.stage.name == "pipeline"
+        and cfg.task.name == "arith"
+        and cfg.hydra.runtime.choices.models == "tiny"
+    )
     assert list(cfg.pipeline.steps) == ["sft", "distill", "adaspec", "rollout", "acceptance_head", "evaluate"]
     # the tiny pair's per-stage tuning is picked by the interpolated defaults entry, in a pipeline and alone
     pythia = compose("train", overrides=["models=pythia_31m_to_1.4b"])
@@ -160,14 +177,17 @@ def test_every_option_of_every_group_composes(group, stage, override):
     names = options(group)
     assert names, f"conf/{group} has no options"
     for name in names:
-        overrides = [override.format(name)] + ([f"stage={stage}"] if stage else [])
+        overrides = [override.format(name), *given(group, name)] + ([f"stage={stage}"] if stage else [])
         resolve_except_hydra(compose("train", overrides=overrides))
 
 
 @pytest.mark.parametrize("experiment", options("experiment"))
 @pytest.mark.parametrize("models", options("models"))
 def test_every_experiment_composes_with_every_pair(experiment, models):
-    cfg = compose("train", overrides=[f"experiment={experiment}", f"models={models}", "task=gsm8k"])
+    cfg = compose(
+        "train",
+        overrides=[f"experiment={experiment}", f"models={models}", "task=gsm8k", *given("models", models)],
+    )
     resolve_except_hydra(cfg)
     if cfg.stage.name == "pipeline":
         assert set(cfg.pipeline.steps) <= set(cfg.stage.steps)
@@ -193,14 +213,14 @@ def test_experiments_override_only_what_differs():
 
 @pytest.mark.parametrize("name", options("task"))
 def test_task_presets_build(name):
-    cfg = compose("train", overrides=[f"task={name}"])
+    cfg = compose("train", overrides=[f"task={name}", *given("task", name)])
     task = instantiate(cfg.task)
     assert task.name == name
 
 
 @pytest.mark.parametrize("name", options("models"))
 def test_model_presets_build_specs(name):
-    cfg = compose("train", overrides=[f"models={name}"])
+    cfg = compose("train", overrides=[f"models={name}", *given("models", name)])
     for role in ("target", "draft"):
         spec = instantiate(cfg.models[role])
         assert spec.trust_remote_code is False, "trust_remote_code must stay off unless the user turns it on"

@@ -104,7 +104,9 @@ def test_collect_tabulates_overrides_results_reports_and_pipeline_stages(tmp_pat
         "adaspec.k": "0.4",
         "val/expected_acceptance": "0.66",
     }
-    assert table[0]["report.speedup"] == "1.9"  # --columns chooses what is printed; the CSV keeps every column
+    assert (
+        table[0]["report.speedup"] == "1.9"
+    )  # --columns chooses what is printed; the CSV keeps every column
     with pytest.raises(SystemExit, match="unknown columns"):
         main([str(sweep), "--columns", "nope"])
     with pytest.raises(FileNotFoundError, match="no job"):
@@ -133,7 +135,10 @@ def test_local_submitit_sweep_of_two_tiny_jobs_is_one_wandb_group(tmp_path: Path
     assert done.returncode == 0, done.stderr[-3000:]
 
     rows = collect(sweep)
-    assert [(row["sft.optimizer.lr"], row["status"]) for row in rows] == [("0.0001", "done"), ("0.001", "done")]
+    assert [(row["sft.optimizer.lr"], row["status"]) for row in rows] == [
+        ("0.0001", "done"),
+        ("0.001", "done"),
+    ]
     assert all(isinstance(row["val/loss"], float) for row in rows)
     assert (sweep / "sweep_results.csv").exists() is False  # only the CLI writes it
     runs = [read_offline_run(next((sweep / row["job"] / "wandb").glob("offline-run-*"))) for row in rows]

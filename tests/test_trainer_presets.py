@@ -100,9 +100,9 @@ def test_deepspeed_strategy_rejects_bad_options() -> None:
 
 def test_missing_deepspeed_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # what an uninstalled package looks like to find_spec
-    with pytest.raises(ImportError, match="pip install deepspeed"):
+    with pytest.raises(ImportError, match=r"pip install 'specdistill\[deepspeed\]'"):
         require_deepspeed()
-    with pytest.raises(InstantiationException, match="pip install deepspeed"):
+    with pytest.raises(InstantiationException, match=r"pip install 'specdistill\[deepspeed\]'"):
         instantiate(trainer_cfg("deepspeed_zero3").strategy)
 
 

@@ -36,13 +36,14 @@ def no_decay_parameter_names(model: nn.Module) -> set[str]:
 def weight_decay_groups(model: nn.Module) -> list[dict]:
     """The trainable parameters of `model` as optimizer groups: decayed, then undecayed (`weight_decay=0`).
 
-    The first group takes the optimizer's own `weight_decay`; empty groups are left out.
+    The first group (`name` "decay") takes the optimizer's own `weight_decay`; empty groups are left out. The names
+    label Lightning's learning-rate log (`lr-AdamW/decay`).
     """
     skip = no_decay_parameter_names(model)
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     decay = [p for name, p in trainable if name not in skip]
     no_decay = [p for name, p in trainable if name in skip]
-    groups = [{"params": decay}] if decay else []
+    groups = [{"params": decay, "name": "decay"}] if decay else []
     if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
+        groups.append({"params": no_decay, "weight_decay": 0.0, "name": "no_decay"})
     return groups
