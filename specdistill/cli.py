@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue
 
 from specdistill.errors import ConfigError, UserError
+from specdistill.utils.console import quiet_console
 from specdistill.utils.extras import require
 from specdistill.utils.fingerprint import run_fingerprint
 from specdistill.utils.run_dir import check_stage_dir, is_rank_zero, write_record
@@ -110,6 +111,7 @@ def report_user_error(error: UserError) -> None:
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def main(cfg: DictConfig) -> float | None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    quiet_console()
     try:
         result = run_stage(cfg)
     except UserError as error:

@@ -80,8 +80,13 @@ def test_bad_settings_name_the_key_and_the_fix(tmp_path: Path):
 def test_local_task_through_sft_and_evaluate(tmp_path: Path):
     task = ["task=local", f"task.data_files={FILES}", "++task.holdout.validation=4", *QA]
     sft = tmp_path / "sft"
-    check_ok(run_train(["stage=sft", *task, *MODELS, *stage_overrides("sft", 2), "sft.eval_examples=2",
-                        "sft.eval_max_new_tokens=4", f"hydra.run.dir={sft}"]))  # fmt: skip
+    done = run_train(["stage=sft", *task, *MODELS, *stage_overrides("sft", 2), "sft.eval_examples=2",
+                      "sft.eval_max_new_tokens=4", f"hydra.run.dir={sft}"])  # fmt: skip
+    check_ok(done)
+    console = (done.stdout + done.stderr).splitlines()
+    # one line per event: Lightning's lines once (not also through its own handler), no advertisement
+    assert sum("GPU available" in line for line in console) == 1
+    assert not any("litlogger" in line.lower() for line in console)
     result = json.loads((sft / "result.json").read_text())
     assert result["stage"] == "sft" and (sft / "export" / "model.safetensors").is_file()
     evaluate = tmp_path / "evaluate"
