@@ -16,6 +16,7 @@ from specdistill.decoding.policies import FixedLength, Oracle
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.decoding.toy import perturbed_copy
 from specdistill.models.cache import crop_cache, forward_with_cache, new_cache
+from specdistill.rollout.generate import sample_responses
 from tests.architectures import ARCHITECTURES, SLIDING, WINDOW
 from tests.lossless import exact_two_token_distribution, matches_two_token_distribution, two_token_counts
 from tests.threads import one_thread_per_module  # noqa: F401  (autouse fixture)
@@ -93,6 +94,22 @@ def test_greedy_output_equals_generate(arch, cache_implementation):
         accepted += result.stats.accepted_tokens
         rejected += result.stats.rejected_tokens
     assert accepted > 0 and rejected > 0  # rollbacks were exercised, and not only of the first candidate
+
+
+def test_rollout_generation_equals_generate_as_rows_leave_the_batch(arch):
+    """Rollouts' batched loop: left-padded prompts of several lengths, rows dropped from the cache as they end."""
+    target, _ = tiny_pair(arch, 32)
+    prompts = [PROMPT, PROMPT[:2], [7, 2, 7, 2, 9, 9, 1, 8, 2, 8, 1], [5]]
+    reference = [
+        target.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p) :].tolist()
+        for p in prompts
+    ]
+    seeds = list(range(len(prompts)))
+    assert sample_responses(target, prompts, GREEDY, NEW_TOKENS, [], 0, 32, seeds)[0] == reference  # no EOS
+    eos = reference[0][WINDOW + 1]  # ends some rows after the window has slid, others earlier or never
+    ended = [r[: r.index(eos) + 1] if eos in r else r for r in reference]
+    assert len({len(r) for r in ended}) > 1
+    assert sample_responses(target, prompts, GREEDY, NEW_TOKENS, eos, 0, 32, seeds)[0] == ended
 
 
 def _assert_cache_continues_like_a_fresh_forward(model, tokens: torch.Tensor, cache, length: int) -> None:

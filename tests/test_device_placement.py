@@ -19,7 +19,7 @@ from specdistill.decoding.policies import FixedLength
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.models import ModelSpec, load_model
 from specdistill.models.loading import is_placed_across_devices
-from specdistill.rollout.generate import generate_responses
+from specdistill.rollout.generate import sample_responses
 from specdistill.stages.build import load_models
 from tests.architectures import WINDOW
 from tests.test_architectures import tiny_pair
@@ -69,8 +69,12 @@ def test_target_across_devices_decodes_the_same_tokens(exported):
     assert speculative == reference_speculative == plain == reference_plain
     prompts = [PROMPT, PROMPT[:3]]
     torch.manual_seed(0)
-    expected = generate_responses(target, prompts, GREEDY, 12, [VOCAB - 1], 0, VOCAB)
-    assert generate_responses(placed, prompts, GREEDY, 12, [VOCAB - 1], 0, VOCAB) == expected  # rollout
+    seeds = list(range(len(prompts)))
+    expected = sample_responses(target, prompts, GREEDY, 12, [VOCAB - 1], 0, VOCAB, seeds)
+    actual = sample_responses(placed, prompts, GREEDY, 12, [VOCAB - 1], 0, VOCAB, seeds)
+    assert actual[0] == expected[0]  # rollout responses
+    for placed_logits, one_device in zip(actual[1], expected[1], strict=True):
+        torch.testing.assert_close(placed_logits, one_device)
 
 
 @pytest.mark.gpu

@@ -11,7 +11,7 @@ from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.head_data import RolloutCollator, build_hidden_cache, load_hidden_cache
 from specdistill.rollout import labelling_config, load_rollouts, run_rollouts, soft_labels
-from specdistill.rollout.generate import generate_responses, generate_scored_responses, label_responses
+from specdistill.rollout.generate import label_responses, race_sample, sample_responses
 from tests.threads import one_thread_per_module  # noqa: F401  (autouse fixture)
 
 VOCAB = 48  # real vocabulary; the models carry 2 padded rows more
@@ -95,39 +95,103 @@ def test_soft_labels_reject_impossible_tokens_and_shapes():
 # --- generation and teacher-forced labelling ----------------------------------------------------------------
 
 
-def test_batched_generation_matches_single_and_respects_eos(pair):
+def generate_responses(target, prompts, sampling, max_new_tokens, eos, pad=PAD, vocab=VOCAB, seeds=None):
+    seeds = range(len(prompts)) if seeds is None else seeds
+    return sample_responses(target, prompts, sampling, max_new_tokens, eos, pad, vocab, seeds=list(seeds))[0]
+
+
+def test_greedy_generation_equals_transformers_generate(pair):
     target, _ = pair
-    greedy = SamplingConfig(temperature=0.0)
-    batched = generate_responses(
-        target, PROMPTS, greedy, 6, eos_token_id=47, pad_token_id=PAD, vocab_size=VOCAB
-    )
-    singles = [generate_responses(target, [p], greedy, 6, 47, PAD, VOCAB)[0] for p in PROMPTS]
-    assert batched == singles  # left padding does not change the responses
-    # make the third token of the first response the EOS: the response must stop there, EOS included
-    eos = batched[0][2]
-    stopped = generate_responses(
-        target, PROMPTS[:1], greedy, 6, eos_token_id=eos, pad_token_id=PAD, vocab_size=VOCAB
-    )
-    first = batched[0].index(eos)
-    assert stopped[0] == batched[0][: first + 1]
+    responses = generate_responses(target, PROMPTS, SamplingConfig(temperature=0.0), 6, eos=47)
+    for prompt, response in zip(PROMPTS, responses, strict=True):
+        expected = target.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=6,
+            eos_token_id=47,
+            pad_token_id=PAD,
+            suppress_tokens=[VOCAB, VOCAB + 1],  # the padded embedding rows are not the vocabulary
+        )[0, len(prompt) :].tolist()
+        assert response == expected
+
+
+@pytest.mark.parametrize(
+    "sampling", [SamplingConfig(temperature=0.0), SamplingConfig(temperature=1.5, top_p=0.9)]
+)
+def test_batched_generation_matches_single_and_stops_rows_at_eos(pair, sampling):
+    """Left padding and finished rows leaving the batch change nothing: each row's draws are its own."""
+    target, _ = pair
+    never = VOCAB + 1  # a padded row: never generated, so every response runs 8 tokens
+    batched = generate_responses(target, PROMPTS, sampling, 8, eos=never)
+    singles = [
+        generate_responses(target, [p], sampling, 8, eos=never, seeds=[i])[0] for i, p in enumerate(PROMPTS)
+    ]
+    assert batched == singles and all(len(r) == 8 for r in batched)
+    # an EOS that ends one response at its third token while others go on (rows leave the batch one by one)
+    row, eos = next((i, r[2]) for i, r in enumerate(batched) if r[2] not in r[:2])
+    stopped = generate_responses(target, PROMPTS, sampling, 8, eos=eos)
+    for full, short in zip(batched, stopped, strict=True):
+        assert short == (full[: full.index(eos) + 1] if eos in full else full)
+    assert len(stopped[row]) == 3 and max(map(len, stopped)) == 8
+    assert stopped == [
+        generate_responses(target, [p], sampling, 8, eos=eos, seeds=[i])[0] for i, p in enumerate(PROMPTS)
+    ]
 
 
 def test_generation_uses_our_warping_and_real_vocabulary(pair):
     target, _ = pair
-    greedy = generate_responses(target, PROMPTS, SamplingConfig(temperature=0.0), 5, 47, PAD, VOCAB)
-    torch.manual_seed(0)
-    top1 = generate_responses(target, PROMPTS, SamplingConfig(temperature=1.5, top_k=1), 5, 47, PAD, VOCAB)
+    greedy = generate_responses(target, PROMPTS, SamplingConfig(temperature=0.0), 5, eos=47)
+    top1 = generate_responses(target, PROMPTS, SamplingConfig(temperature=1.5, top_k=1), 5, eos=47)
     assert top1 == greedy  # top-k 1 sampling is argmax: our warper is the one in use
-    torch.manual_seed(0)
     sampled = generate_responses(target, PROMPTS * 4, SamplingConfig(temperature=3.0), 8, 47, PAD, 10)
     assert all(0 <= t < 10 for response in sampled for t in response)
+    assert len({tuple(r) for r in sampled}) > len(PROMPTS)  # seeds differ per row: repeated prompts differ
+
+
+def test_race_sample_draws_each_row_from_its_distribution_and_generator():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05, 0.0], [0.0, 0.0, 0.0, 0.1, 0.9]])
+    n = 20_000
+    generators = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
+    draws = torch.stack([race_sample(probs, generators) for _ in range(n)])  # (n, 2)
+    for row in range(2):
+        frequencies = torch.bincount(draws[:, row], minlength=5).double() / n
+        # 4 standard errors of a frequency at most sqrt(0.25 / n): a wrong sampler fails, a right one passes
+        torch.testing.assert_close(frequencies, probs[row].double(), atol=4 * (0.25 / n) ** 0.5, rtol=0)
+        assert frequencies[probs[row] == 0].sum() == 0  # never a zero-probability token
+    # a row's draws depend on its own generator only, not on the other rows of the batch
+    alone, batch = (
+        [torch.Generator().manual_seed(2)],
+        [torch.Generator().manual_seed(9), torch.Generator().manual_seed(2)],
+    )
+    flat = torch.full((1, 5), 0.2)  # uniform: every draw is informative
+    assert [int(race_sample(flat, alone)) for _ in range(50)] == [
+        int(race_sample(flat.repeat(2, 1), batch)[1]) for _ in range(50)
+    ]
+
+
+def test_each_draw_is_the_warped_target_distribution_with_the_rows_seed(pair):
+    """Replaying a row's generator on teacher-forced target logits redraws the same response, token by token."""
+    target, _ = pair
+    sampling = SamplingConfig(temperature=1.2, top_k=20, top_p=0.95)
+    seeds = [11, 12, 13, 14, 15]
+    responses, logits = sample_responses(target, PROMPTS, sampling, 7, 47, PAD, VOCAB, seeds=seeds)
+    for prompt, response, seed, row_logits in zip(PROMPTS, responses, seeds, logits, strict=True):
+        with torch.no_grad():
+            forced = target(input_ids=torch.tensor([prompt + response])).logits[
+                0, len(prompt) - 1 : -1, :VOCAB
+            ]
+        torch.testing.assert_close(row_logits, forced, atol=1e-5, rtol=1e-5)
+        generator = torch.Generator().manual_seed(seed)
+        replay = [int(race_sample(sampling.warp_probs(row[None]), [generator])) for row in forced]
+        assert replay == response
+    with pytest.raises(ValueError, match="one seed per prompt"):
+        sample_responses(target, PROMPTS, sampling, 7, 47, PAD, VOCAB, seeds=seeds[:2])
 
 
 def test_labels_match_direct_min_ratio_per_example(pair):
     target, draft = pair
     sampling = SamplingConfig(temperature=0.8, top_p=0.9)
-    torch.manual_seed(0)
-    responses = generate_responses(target, PROMPTS, sampling, 6, 47, PAD, VOCAB)
+    responses = generate_responses(target, PROMPTS, sampling, 6, eos=47)
     tokens, labels = label_responses(
         target, draft, PROMPTS, responses, sampling, PAD, VOCAB, torch.Generator().manual_seed(0)
     )
@@ -152,10 +216,7 @@ def test_labels_from_the_generation_scores_equal_the_teacher_forced_pass(pair):
     """One-pass rollouts: the generation's raw logits give the two-pass labels and the same draft tokens."""
     target, draft = pair
     sampling = SamplingConfig(temperature=0.9, top_p=0.95)
-    torch.manual_seed(3)
-    responses, logits = generate_scored_responses(target, PROMPTS, sampling, 6, EOS, PAD, VOCAB)
-    torch.manual_seed(3)
-    assert generate_responses(target, PROMPTS, sampling, 6, EOS, PAD, VOCAB) == responses  # same draws
+    responses, logits = sample_responses(target, PROMPTS, sampling, 6, EOS, PAD, VOCAB, seeds=[3, 4, 5, 6, 7])
     assert sum(map(len, responses)) >= 15
     assert [t.shape for t in logits] == [(len(r), VOCAB) for r in responses]
     two_pass = label_responses(
@@ -258,7 +319,7 @@ def test_reused_responses_label_another_draft_exactly_as_a_fresh_run(
     def no_generation(*args, **kwargs):
         raise AssertionError("responses were generated although they could be reused")
 
-    monkeypatch.setattr(run_module, "generate_scored_responses", no_generation)
+    monkeypatch.setattr(run_module, "sample_responses", no_generation)
     reused = _run(other, tmp_path / "reused", responses_from=rollout_dir)
     # reused responses are labelled by a teacher-forced target pass, fresh ones from the generation's own logits
     labels, fresh_labels = reused.to_dict().pop("labels"), fresh.to_dict().pop("labels")

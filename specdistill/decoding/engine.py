@@ -27,11 +27,9 @@ output stays lossless because the real verification alone decides what is emitte
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 from transformers.cache_utils import Cache
@@ -40,7 +38,13 @@ from specdistill.decoding.policies import DraftPolicy, DraftStep
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.decoding.stats import DecodingStats
 from specdistill.models.acceptance_head import draft_logits
-from specdistill.models.cache import CACHE_IMPLEMENTATIONS, crop_cache, forward_with_cache, new_cache
+from specdistill.models.cache import (
+    CACHE_IMPLEMENTATIONS,
+    crop_cache,
+    forward_with_cache,
+    new_cache,
+    takes_logits_to_keep,
+)
 from specdistill.models.loading import is_placed_across_devices
 from specdistill.models.vocab import check_model_covers_vocab
 
@@ -85,15 +89,10 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)
 
 
-@cache
-def _takes_logits_to_keep(model_cls: type) -> bool:
-    return "logits_to_keep" in inspect.signature(model_cls.forward).parameters
-
-
 def _forward(model: torch.nn.Module, ids: torch.Tensor, cache: Cache | None, keep: int, hidden: bool = False):
     """Forward `ids: (1, T)` continuing `cache`; only the last `keep` positions' logits are computed if supported."""
     kwargs = {}
-    if _takes_logits_to_keep(type(model)):
+    if takes_logits_to_keep(type(model)):
         kwargs["logits_to_keep"] = keep
     if hidden:
         kwargs["output_hidden_states"] = True

@@ -35,6 +35,12 @@ def _cache_kwarg(model_cls: type) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+@cache
+def takes_logits_to_keep(model_cls: type) -> bool:
+    """Whether `model_cls.forward` can compute the logits of the last positions only (`logits_to_keep`)."""
+    return "logits_to_keep" in inspect.signature(model_cls.forward).parameters
+
+
 def forward_with_cache(model: torch.nn.Module, input_ids: torch.Tensor, cache: Cache | None, **kwargs: Any):
     """Run `model` on `input_ids` continuing `cache`; returns `(output, cache)`.
 

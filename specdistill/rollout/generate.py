@@ -1,11 +1,12 @@
 """Rollout steps (1) and (2)+(3) of SpecDec++ labelling, batched.
 
-(1) the target samples a response X to each prompt (left-padded `model.generate`, warped by our own `SamplingConfig`
-so that generation, labelling and decoding warp identically); (2) one teacher-forced draft pass over prompt+X samples
-a draft token Y_i ~ q(. | prompt, X_<i) at every response position; (3) the target's logits at the same positions give
-the soft label min(1, p(Y_i)/q(Y_i)). The target's logits of step (3) are the raw scores generation already computed
-for X (`generate_scored_responses`), so a rollout runs the target once; responses generated elsewhere (reused for
-another draft) get a teacher-forced target pass instead. The two agree to float rounding (KV-cached vs full attention).
+(1) the target samples a response X to each prompt (`sample_responses`: a KV-cached loop warped by our own
+`SamplingConfig`, so that generation, labelling and decoding warp identically, with finished rows dropped from the
+batch); (2) one teacher-forced draft pass over prompt+X samples a draft token Y_i ~ q(. | prompt, X_<i) at every
+response position; (3) the target's logits at the same positions give the soft label min(1, p(Y_i)/q(Y_i)). The
+target's logits of step (3) are the raw logits generation already computed for X, so a rollout runs the target once;
+responses generated elsewhere (reused for another draft) get a teacher-forced target pass instead. The two agree to
+float rounding (KV-cached vs full attention).
 """
 
 from __future__ import annotations
@@ -13,41 +14,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from specdistill.decoding.sampling import SamplingConfig
+from specdistill.models.cache import forward_with_cache, takes_logits_to_keep
 from specdistill.rollout.labels import sample_draft_tokens, soft_labels
-
-
-class WarpLogitsProcessor(LogitsProcessor):
-    """Replaces transformers' warpers by `SamplingConfig.warp_logits` and masks padded vocabulary rows.
-
-    Sampling from `softmax` of the returned scores is sampling from `sampling.warp_probs(logits[:, :vocab_size])`.
-    """
-
-    def __init__(self, sampling: SamplingConfig, vocab_size: int) -> None:
-        self.sampling = sampling
-        self.vocab_size = vocab_size
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        out = torch.full_like(scores, float("-inf"), dtype=torch.float32)
-        out[:, : self.vocab_size] = self.sampling.warp_logits(scores[:, : self.vocab_size])
-        return out
 
 
 def _eos_ids(eos_token_id: int | Sequence[int]) -> list[int]:
     return [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(t) for t in eos_token_id]
-
-
-def truncate_at_eos(tokens: Sequence[int], eos_token_id: int | Sequence[int]) -> list[int]:
-    """Tokens up to and including the first EOS (everything after it is padding from batched generation)."""
-    eos = set(_eos_ids(eos_token_id))
-    out = []
-    for token in tokens:
-        out.append(int(token))
-        if token in eos:
-            break
-    return out
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,8 +52,25 @@ def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+def row_seeds(seed: int, indices: Sequence[int]) -> list[int]:
+    """One sampling seed per prompt, from a base seed and the prompts' indices in the rollout set."""
+    return [(seed * 1_000_003 + int(i)) % (2**63 - 1) for i in indices]
+
+
+def race_sample(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """`(B,)` draws from the rows of `(B, V)` probabilities, row b from `generators[b]` alone.
+
+    The exponential race: with E_v ~ Exp(1) independent, argmax_v p_v / E_v is distributed as p. One cheap noise
+    draw per row replaces a `torch.multinomial` call per row, and a row's draw never depends on the other rows.
+    """
+    noise = torch.stack(
+        [torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=g) for g in generators]
+    )
+    return (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+
+
 @torch.no_grad()
-def generate_scored_responses(
+def sample_responses(
     target: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
     sampling: SamplingConfig,
@@ -87,75 +78,89 @@ def generate_scored_responses(
     eos_token_id: int | Sequence[int],
     pad_token_id: int,
     vocab_size: int,
+    seeds: Sequence[int],
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Target responses for one batch of prompts (EOS kept, nothing after it) and the target's raw logits for them.
+    """Target responses for one batch of prompts and the target's raw logits at every response position.
 
-    Draws from the global torch RNG (`model.generate` has no generator argument): seed it before the call.
+    A KV-cached loop over the left-padded batch. Rows that ended (EOS) leave the batch and the cache as soon as they
+    are an eighth of it, so a batch costs about the sum of its response lengths rather than its longest one times
+    the batch size. Row i draws from its own generator seeded with `seeds[i]` (`race_sample`), so a response depends
+    on its prompt and seed only, never on the batch it was generated in.
 
     Args:
-        target: causal LM.
+        target: causal LM (any architecture transformers caches; a `device_map`-placed model works too).
         prompts: token ids of each prompt (non-empty).
-        sampling: warping; greedy uses argmax.
+        sampling: warping; greedy takes the argmax.
         max_new_tokens: longest response.
-        eos_token_id: id (or ids) that end a response.
-        pad_token_id: id used to pad the batch (may equal EOS).
+        eos_token_id: id (or ids) that end a response (kept as its last token).
+        pad_token_id: id used to pad the batch (masked out of attention; may equal EOS).
         vocab_size: real vocabulary; padded embedding rows are never sampled.
+        seeds: one seed per prompt (`row_seeds`).
 
     Returns:
         `(responses, logits)`: per row the response's token ids, and `(n_i, vocab_size)` fp32 logits of the target at
-        the positions that predicted them (before any warping), exactly what a teacher-forced pass over
-        prompt + response gives there up to float rounding.
+        the positions that predicted them (before any warping), what a teacher-forced pass over prompt + response
+        gives there up to float rounding.
     """
     if any(len(p) == 0 for p in prompts):
         raise ValueError("empty prompt: every prompt needs at least one token (e.g. BOS) to condition on.")
-    input_ids, attention_mask = left_pad(prompts, pad_token_id)
+    if len(seeds) != len(prompts):
+        raise ValueError(f"one seed per prompt is needed, got {len(seeds)} seeds for {len(prompts)} prompts")
     device = _device(target)
-    config = GenerationConfig(
-        do_sample=not sampling.is_greedy,
-        # Neutral values (not None) so neither the model's own generation_config nor transformers' defaults add
-        # warpers of their own; WarpLogitsProcessor is the only warping.
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=_eos_ids(eos_token_id),
-        pad_token_id=pad_token_id,
-        return_dict_in_generate=True,
-        output_logits=True,  # the raw (unprocessed) logits of every step: the labels' target distribution
+    input_ids, attention_mask = (t.to(device) for t in left_pad(prompts, pad_token_id))
+    eos = torch.tensor(_eos_ids(eos_token_id), device=device)
+    generators = (
+        [None] * len(prompts)
+        if sampling.is_greedy
+        else [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
     )
-    output = target.generate(
-        input_ids=input_ids.to(device),
-        attention_mask=attention_mask.to(device),
-        generation_config=config,
-        logits_processor=LogitsProcessorList([WarpLogitsProcessor(sampling, vocab_size)]),
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+    kwargs = {"logits_to_keep": 1} if takes_logits_to_keep(type(target)) else {}
+    out, cache = forward_with_cache(
+        target, input_ids, None, attention_mask=attention_mask, position_ids=position_ids, **kwargs
     )
-    generated = output.sequences[:, input_ids.shape[1] :].tolist()
-    responses = [truncate_at_eos(tokens, eos_token_id) for tokens in generated]
-    if output.logits and output.logits[0].shape[-1] < vocab_size:
-        raise ValueError(
-            f"model has {output.logits[0].shape[-1]} output rows, fewer than the vocabulary ({vocab_size})."
+    tokens: list[list[int]] = [[] for _ in prompts]
+    step_logits: list[list[torch.Tensor]] = [[] for _ in prompts]
+    slots: list[int | None] = list(
+        range(len(prompts))
+    )  # cache slot -> row still generating, None once it ended
+    positions = position_ids[:, -1:]
+    for step in range(max_new_tokens):
+        logits = out.logits[:, -1, :].float()
+        if logits.shape[-1] < vocab_size:
+            raise ValueError(
+                f"model has {logits.shape[-1]} output rows, fewer than the vocabulary ({vocab_size})."
+            )
+        logits = logits[:, :vocab_size].to(device)
+        live = [slot for slot, row in enumerate(slots) if row is not None]
+        chosen = torch.full((len(slots),), pad_token_id, dtype=torch.long, device=device)
+        if sampling.is_greedy:
+            chosen[live] = logits[live].argmax(dim=-1)
+        else:
+            chosen[live] = race_sample(
+                sampling.warp_probs(logits[live]), [generators[slots[s]] for s in live]
+            )
+        for slot, token in zip(live, chosen[live].tolist(), strict=True):
+            tokens[slots[slot]].append(token)
+            step_logits[slots[slot]].append(logits[slot])
+        ended = torch.isin(chosen, eos).tolist()
+        slots = [None if row is None or ended[slot] else row for slot, row in enumerate(slots)]
+        live = [slot for slot, row in enumerate(slots) if row is not None]
+        if step == max_new_tokens - 1 or not live:
+            break
+        if len(slots) - len(live) >= max(1, len(slots) // 8):
+            # drop ended rows from the batch and the cache once they would waste an eighth of a step
+            keep = torch.tensor(live, device=device)
+            cache.batch_select_indices(keep)
+            slots = [slots[s] for s in live]
+            attention_mask, positions, chosen = attention_mask[keep], positions[keep], chosen[keep]
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(slots), 1)], dim=-1)
+        positions = positions + 1
+        out, cache = forward_with_cache(
+            target, chosen[:, None], cache, attention_mask=attention_mask, position_ids=positions
         )
-    steps = torch.stack(output.logits, dim=1) if output.logits else None  # (B, steps, V')
-    logits = [
-        steps[row, : len(r), :vocab_size].float() if steps is not None else torch.zeros(0, vocab_size)
-        for row, r in enumerate(responses)
-    ]
-    return responses, logits
-
-
-def generate_responses(
-    target: torch.nn.Module,
-    prompts: Sequence[Sequence[int]],
-    sampling: SamplingConfig,
-    max_new_tokens: int,
-    eos_token_id: int | Sequence[int],
-    pad_token_id: int,
-    vocab_size: int,
-) -> list[list[int]]:
-    """The responses of `generate_scored_responses` (same arguments, same draws), without the logits."""
-    return generate_scored_responses(
-        target, prompts, sampling, max_new_tokens, eos_token_id, pad_token_id, vocab_size
-    )[0]
+    logits = [torch.stack(rows) if rows else torch.zeros(0, vocab_size) for rows in step_logits]
+    return tokens, logits
 
 
 def _response_logits(

@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from specdistill.decoding.sampling import SamplingConfig
-from specdistill.rollout.generate import generate_scored_responses, label_responses
+from specdistill.rollout.generate import label_responses, row_seeds, sample_responses
 from specdistill.rollout.labels import labelling_config
 from specdistill.rollout.storage import load_shards, num_shards, prepare_out_dir, read_settings, write_shard
 
@@ -121,7 +121,7 @@ def run_rollouts(
     label_sampling = labelling_config(sampling, label_temperature_one)
     settings = {
         "kind": "rollouts",
-        "format_version": 1,
+        "format_version": 2,  # 2: a generator per prompt (1: one per shard, via generate)
         "num_prompts": len(prompts),
         "prompts_sha256": _fingerprint(prompts),
         "shard_size": shard_size,
@@ -190,7 +190,6 @@ def _roll_out_shard(
 ) -> dict[str, list]:
     """Columns of one shard: `prompts[j]` is the prompt with index `indices[j]`; `responses`, when given, are the
     shard's target responses (generated otherwise)."""
-    torch.manual_seed(shard_seed)  # model.generate draws from the global RNG
     draft_device = next(draft.parameters()).device
     generator = torch.Generator(device=draft_device).manual_seed(shard_seed)
     columns: dict[str, list] = {name: [] for name in FEATURES}
@@ -200,9 +199,10 @@ def _roll_out_shard(
         target_logits = None  # reused responses: the target scores them in a teacher-forced pass
         if responses is None:
             # one target pass: the generation's own logits are the labels' target distribution
-            batch_responses, target_logits = generate_scored_responses(
-                target, batch_prompts, sampling, max_new_tokens, eos_token_id, pad_token_id, vocab_size
-            )
+            batch_responses, target_logits = sample_responses(
+                target, batch_prompts, sampling, max_new_tokens, eos_token_id, pad_token_id, vocab_size,
+                seeds=row_seeds(shard_seed, batch_indices),
+            )  # fmt: skip
         else:
             batch_responses = responses[start : start + batch_size]
         tokens, labels = label_responses(
