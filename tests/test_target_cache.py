@@ -164,3 +164,21 @@ def test_adaspec_stage_trains_from_the_cached_target(tmp_path):
     assert key["m"] == 16 and sorted(key["data"]) == ["train", "validation"]
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert 0 < result["val/expected_acceptance"] <= 1
+
+
+@pytest.mark.slow
+def test_distill_stage_trains_from_the_cached_target(tmp_path):
+    """`distill.cached_target=m`: the DistillSpec stage caches the target once too and trains from the cache; a
+    re-launch with the same settings reuses it (no second target pass)."""
+    from tests.helpers import TINY, check_ok, run_train, stage_overrides
+
+    run_dir = tmp_path / "run"
+    args = ["stage=distill", *TINY, *stage_overrides("distill", 2), "distill.cached_target=8",
+            f"hydra.run.dir={run_dir}"]  # fmt: skip
+    check_ok(run_train(args))
+    key_file = run_dir / "target_cache" / "specdistill_target_cache.json"
+    key = json.loads(key_file.read_text())
+    assert key["m"] == 8 and sorted(key["data"]) == ["train", "validation"]
+    result = json.loads((run_dir / "result.json").read_text())
+    assert 0 < result["val/expected_acceptance"] <= 1
+    assert (run_dir / "export" / "model.safetensors").is_file()

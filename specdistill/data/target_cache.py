@@ -216,3 +216,14 @@ class CachedTarget:
             stack("token_ids", torch.long).reshape(n, self.m),
             stack("tail_mass", torch.float32).reshape(n),
         )
+
+
+def open_or_build_target_cache(
+    path: str | Path, target: nn.Module, tokenizer: Any, datamodule: Any, vocab_size: int, m: int
+) -> CachedTarget:
+    """A stage's target cache: the one at `path` when it was built from this target, tokenizer, data, vocabulary and
+    m (a resumed or re-launched run), else a new one (one target pass over train and validation)."""
+    try:
+        return CachedTarget.load(path, model_identity(target), tokenizer, datamodule, vocab_size, m=m)
+    except ValueError:
+        return build_target_cache(path, target, tokenizer, datamodule, vocab_size, m=m)

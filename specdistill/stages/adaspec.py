@@ -20,7 +20,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
 
 from specdistill.callbacks.token_selection import SelectionReport
-from specdistill.data.target_cache import CachedTarget, build_target_cache, model_identity
+from specdistill.data.target_cache import open_or_build_target_cache
 from specdistill.models import ModelSpec
 from specdistill.modules.distill import DistillModule
 from specdistill.selection.reference import OnlineReference, ScoreOnceReference
@@ -127,7 +127,9 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         reference = OnlineReference(models["reference"], divergence, vocab_size)
     target = models.pop("target")
     if settings.get("cached_target"):
-        target = _cached_target(out_dir / "target_cache", target, tokenizer, datamodule, vocab_size, settings)
+        target = open_or_build_target_cache(
+            out_dir / "target_cache", target, tokenizer, datamodule, vocab_size, m=int(settings.cached_target)
+        )
     module = DistillModule(
         draft=models["draft"],
         target=target,
@@ -143,15 +145,3 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     metadata = {"stage": "adaspec", "task": cfg.task.name, "reference": settings.reference, "k": k}
     trained = train_and_export(trainer, module, datamodule, tokenizer, out_dir, metadata)
     return write_result(out_dir, {"stage": "adaspec", "k": k, **trained})
-
-
-def _cached_target(
-    path: Path, target, tokenizer, datamodule, vocab_size: int, settings: DictConfig
-) -> CachedTarget:
-    """The run's target cache: reused when `path` holds one built from this target, tokenizer and data, else built
-    (one target pass over train and validation). The target model is not used afterwards."""
-    m = int(settings.cached_target)
-    try:
-        return CachedTarget.load(path, model_identity(target), tokenizer, datamodule, vocab_size, m=m)
-    except ValueError:
-        return build_target_cache(path, target, tokenizer, datamodule, vocab_size, m=m)

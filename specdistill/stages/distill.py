@@ -1,4 +1,9 @@
-"""Stage `distill`: DistillSpec-style distillation of the draft on all answer tokens; its export is the reference."""
+"""Stage `distill`: DistillSpec-style distillation of the draft on all answer tokens; its export is the reference.
+
+With `distill.cached_target=<m>` the target's top-m answer distributions are cached once (`target_cache/`, one target
+pass over train and validation) and training runs without the target model (docs/METHODS.md section 2, "Cached
+target distributions").
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
 from specdistill.data.datamodule import TaskDataModule
+from specdistill.data.target_cache import open_or_build_target_cache
 from specdistill.modules.distill import DistillModule
 from specdistill.stages.build import (
     build_trainer,
@@ -36,9 +42,14 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     specs = {"target": model_spec(cfg.models.target), "draft": model_spec(cfg.models.draft)}
     tokenizer, models, vocab_size = load_models(cfg, specs, trainable=TRAINED_ROLES)
     datamodule = training_datamodule(cfg, tokenizer, settings, trainer_cfg)
+    target = models.pop("target")
+    if settings.get("cached_target"):
+        target = open_or_build_target_cache(
+            out_dir / "target_cache", target, tokenizer, datamodule, vocab_size, m=int(settings.cached_target)
+        )  # the target model is released: training reads the cache
     module = DistillModule(
         draft=models["draft"],
-        target=models["target"],
+        target=target,
         vocab_size=vocab_size,
         divergence=instantiate(cfg.divergence),
         optimizer=instantiate(settings.optimizer),
