@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_gloo_ranks
 from test_distill_module import VOCAB, make_batches, make_examples, tiny_lm
 
 from specdistill.data.arith_tokenizer import arith_tokenizer
@@ -104,14 +100,14 @@ def test_cached_provider_refuses_a_missing_or_misshapen_column(column):
 
 
 _SCORING_WORKER = """
-import json, sys
-import torch, torch.distributed as dist
+import json
+import torch.distributed as dist
+from helpers import join_gloo
 from test_distill_module import tiny_lm
 from test_selection_reference import _count_calls, _datamodule
 from specdistill.losses import ForwardKL
 from specdistill.selection.reference import cached_reference_scores
-rank, port, path, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+rank, (path,), out = join_gloo()
 datamodule = _datamodule()
 vocab = len(datamodule.tokenizer)
 target, reference = tiny_lm(2, vocab=vocab), tiny_lm(3, hidden=16, vocab=vocab)
@@ -130,20 +126,8 @@ def test_ranks_score_their_shards_and_write_one_set_of_scores(tmp_path):
     vocab = len(datamodule.tokenizer)
     target, reference = tiny_lm(2, vocab=vocab), tiny_lm(3, hidden=16, vocab=vocab)
     expected = cached_reference_scores(tmp_path / "single", target, reference, datamodule, ForwardKL(), vocab)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    tests = Path(__file__).resolve().parent
-    env = {**os.environ, "PYTHONPATH": f"{tests.parent}{os.pathsep}{tests}"}
-    path, outs = tmp_path / "shared", [tmp_path / f"rank{r}.json" for r in range(2)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _SCORING_WORKER, str(r), str(port), str(path), str(outs[r])], env=env
-        )
-        for r in range(2)
-    ]
-    assert [p.wait(timeout=300) for p in procs] == [0, 0]
-    results = [json.loads(o.read_text()) for o in outs]
+    path = tmp_path / "shared"
+    results = run_gloo_ranks(_SCORING_WORKER, str(path), out_dir=tmp_path)
     assert [r["calls"] for r in results] == [2, 2]  # batches 0, 2 and 1 (+ 1 repeated to keep step)
     for result in results:
         torch.testing.assert_close(result["rows"], expected)
