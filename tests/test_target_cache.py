@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import functools
 import json
+from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_gloo_ranks
 from test_distill_module import tiny_lm
 
 from specdistill.data.arith_tokenizer import arith_tokenizer
@@ -17,6 +19,7 @@ from specdistill.losses.rows import LogitRows
 from specdistill.losses.sparse import SparseRows, top_m
 from specdistill.modules import DistillModule
 from specdistill.tasks.arith import Arith
+from tests.threads import one_torch_thread
 
 DIVERGENCES = [ForwardKL(), ReverseKL(), JSD(beta=0.3), TVD()]
 
@@ -164,3 +167,80 @@ def test_adaspec_stage_trains_from_the_cached_target(tmp_path):
     assert key["m"] == 16 and sorted(key["data"]) == ["train", "validation"]
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert 0 < result["val/expected_acceptance"] <= 1
+
+
+def _cache_contents(path) -> dict[str, dict[str, list]]:
+    """Every split of the cache at `path`, column by column (float32 values as Python floats)."""
+    import datasets
+
+    key = json.loads((Path(path) / "specdistill_target_cache.json").read_text())
+    return {split: datasets.load_from_disk(str(Path(path) / split)).to_dict() for split in key["data"]}
+
+
+def test_the_cache_is_built_at_fit_start_where_the_trainer_placed_the_target_and_reused(tmp_path):
+    """`CacheOnceTarget` (the adaspec stage's `cached_target`): the first fit builds the cache exactly as
+    `build_target_cache` does and releases the target; a second run with the same inputs reuses it, with no target
+    forward."""
+    import lightning as L
+
+    from specdistill.data.target_cache import CacheOnceTarget
+    from tests.test_selection_reference import _count_calls
+
+    datamodule = _datamodule()
+    vocab = len(datamodule.tokenizer)
+    target = tiny_lm(2, vocab=vocab)
+    build_target_cache(tmp_path / "direct", target, datamodule.tokenizer, datamodule, vocab, m=8)
+    calls = _count_calls(target)
+    for run, expected_calls in ((1, 4), (2, 4)):  # 3 train + 1 validation batch, once
+        lazy = CacheOnceTarget(target, tmp_path / "cache", datamodule.tokenizer, datamodule, vocab, m=8)
+        if run == 1:
+            with pytest.raises(RuntimeError, match="built at fit start"):
+                lazy.rows(
+                    next(iter(datamodule.val_dataloader())), torch.zeros(4, 3, dtype=torch.bool), "train"
+                )
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, limit_val_batches=0, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+        trainer.fit(_module(datamodule, lazy), datamodule=datamodule)
+        assert calls[0] == expected_calls and lazy._frozen is None  # built (or reused) and released
+    assert _cache_contents(tmp_path / "cache") == _cache_contents(tmp_path / "direct")
+
+
+_CACHE_WORKER = """
+import json
+import torch, torch.distributed as dist
+from helpers import join_gloo
+from test_distill_module import tiny_lm
+from test_selection_reference import _count_calls
+from test_target_cache import _datamodule
+from specdistill.data.target_cache import build_target_cache
+rank, (path,), out = join_gloo()
+torch.set_num_threads(1)  # as the test process: the same reductions, so the same values to the bit
+datamodule = _datamodule()
+vocab = len(datamodule.tokenizer)
+target = tiny_lm(2, vocab=vocab)
+calls = _count_calls(target)
+cache = build_target_cache(path, target, datamodule.tokenizer, datamodule, vocab, m=8)
+dist.destroy_process_group()
+json.dump({"calls": calls[0], "key": cache.key}, open(out, "w"))
+"""
+
+
+@pytest.mark.slow  # two fresh Python processes importing torch: seconds, more on a loaded machine
+def test_ranks_cache_their_share_and_write_one_cache(tmp_path):
+    """Two gloo ranks split the scoring batches (train: 3 batches, validation: 1; each rank runs 2 + 1 forwards),
+    each writes its part, and rank 0 merges them into exactly the single-process cache."""
+    datamodule = _datamodule()
+    vocab = len(datamodule.tokenizer)
+    with one_torch_thread():
+        build_target_cache(
+            tmp_path / "single", tiny_lm(2, vocab=vocab), datamodule.tokenizer, datamodule, vocab, m=8
+        )
+    results = run_gloo_ranks(_CACHE_WORKER, str(tmp_path / "shared"), out_dir=tmp_path)
+    assert [r["calls"] for r in results] == [3, 3]  # instead of 4 in one process
+    assert results[0]["key"] == results[1]["key"]
+    assert _cache_contents(tmp_path / "shared") == _cache_contents(tmp_path / "single")
+    assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == [
+        "specdistill_target_cache.json",
+        "train",
+        "validation",
+    ]  # fmt: skip  (the parts were merged and removed)

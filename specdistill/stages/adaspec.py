@@ -5,8 +5,8 @@ draft, initialised from the *base* draft checkpoint. The selector (`conf/selecto
 of answer tokens; the reference's per-token divergence comes from the online reference or, with
 `adaspec.cached_scores` (default), from one scoring pass saved beside the run (`reference_scores/`), run at fit start
 where the Trainer's strategy put the target, each rank scoring a shard. With `adaspec.cached_target=<m>` the
-target's top-m answer distributions are cached once (`target_cache/`) and training runs without the target model
-(docs/METHODS.md section 2, "Cached target distributions").
+target's top-m answer distributions are cached once (`target_cache/`), at fit start in the same way, and training
+runs without the target model (docs/METHODS.md section 2, "Cached target distributions").
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
 
 from specdistill.callbacks.token_selection import SelectionReport
-from specdistill.data.target_cache import CachedTarget, build_target_cache, model_identity
+from specdistill.data.target_cache import CacheOnceTarget
 from specdistill.models import ModelSpec
+from specdistill.models.frozen import Frozen
 from specdistill.modules.distill import DistillModule
 from specdistill.selection.reference import OnlineReference, ScoreOnceReference
 from specdistill.selection.topk import check_fraction
@@ -115,19 +116,26 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         matched_steps(baseline, len(datamodule.tokenized("train")), trainer_cfg)
     divergence = instantiate(cfg.divergence)
     selector = instantiate(cfg.selector, k=k)
+    target = models.pop("target")
+    frozen_target = (
+        None  # with a cached target the module holds no target model: the fit-start passes share one
+    )
+    if settings.get("cached_target"):
+        # cached at fit start where the Trainer places the target, every rank a share of each split (or reused)
+        frozen_target = Frozen(target)
+        target = CacheOnceTarget(
+            frozen_target, out_dir / "target_cache", tokenizer, datamodule, vocab_size, m=int(settings.cached_target),
+        )  # fmt: skip
     reference = None
     if selector.needs_reference and settings.cached_scores:
         # scored at fit start, on the devices the Trainer gives the target, every rank a shard of the train split
-        # with a cached target the module holds no target model: the scoring pass gets its own, released after it
         reference = ScoreOnceReference(
             models["reference"], divergence, vocab_size, out_dir / "reference_scores", datamodule,
-            target=models["target"] if settings.get("cached_target") else None,
+            target=frozen_target,
         )  # fmt: skip
     elif selector.needs_reference:
         reference = OnlineReference(models["reference"], divergence, vocab_size)
-    target = models.pop("target")
-    if settings.get("cached_target"):
-        target = _cached_target(out_dir / "target_cache", target, tokenizer, datamodule, vocab_size, settings)
+    del frozen_target  # the fit-start passes release the target when done: nothing else may keep it in memory
     module = DistillModule(
         draft=models["draft"],
         target=target,
@@ -143,15 +151,3 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     metadata = {"stage": "adaspec", "task": cfg.task.name, "reference": settings.reference, "k": k}
     trained = train_and_export(trainer, module, datamodule, tokenizer, out_dir, metadata)
     return write_result(out_dir, {"stage": "adaspec", "k": k, **trained})
-
-
-def _cached_target(
-    path: Path, target, tokenizer, datamodule, vocab_size: int, settings: DictConfig
-) -> CachedTarget:
-    """The run's target cache: reused when `path` holds one built from this target, tokenizer and data, else built
-    (one target pass over train and validation). The target model is not used afterwards."""
-    m = int(settings.cached_target)
-    try:
-        return CachedTarget.load(path, model_identity(target), tokenizer, datamodule, vocab_size, m=m)
-    except ValueError:
-        return build_target_cache(path, target, tokenizer, datamodule, vocab_size, m=m)
