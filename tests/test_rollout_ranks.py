@@ -45,11 +45,12 @@ _WORKER = """
 import json
 import torch, torch.distributed as dist
 from helpers import join_gloo
-from specdistill.rollout.ranks import Ranks
+from specdistill.rollout.ranks import launch_ranks
 from tests.test_rollout import _run, tiny_lm
 rank, (root,), out = join_gloo()
 torch.set_num_threads(1)  # as the test process: the same reductions, so the same labels to the bit
-ranks = Ranks(rank, 2, dist.barrier)
+device, ranks = launch_ranks(torch.device("cpu"), 1, 1, 1.0)  # joins the running group (as in a pipeline)
+assert (device.type, ranks.rank, ranks.world_size) == ("cpu", rank, 2), (device, ranks)
 pair = (tiny_lm(0, hidden=32), tiny_lm(1, hidden=16))
 written, datasets = {}, {}
 for name, models, reuse in [("fresh", pair, None), ("resumed", pair, None), ("reused", pair[:1] * 2, "fresh")]:
