@@ -116,7 +116,8 @@ def build_target_cache(
     for split in splits:
         part = _score_split(target, datamodule, split, vocab_size, m, chunk_size, rank, world_size)
         if world_size > 1:
-            if len(part):  # a rank with no batch of this split has no part (datasets cannot reload an empty one)
+            # a rank with no batch of this split writes no part (datasets cannot reload an empty one)
+            if len(part):
                 part.save_to_disk(str(_part_path(path, split, rank)))
             torch.distributed.barrier()  # every rank's part is written
             if rank == 0:
