@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_gloo_ranks
 from test_distill_module import tiny_lm
 
 from specdistill.data.arith_tokenizer import arith_tokenizer
@@ -19,7 +18,6 @@ from specdistill.losses.rows import LogitRows
 from specdistill.losses.sparse import SparseRows, top_m
 from specdistill.modules import DistillModule
 from specdistill.tasks.arith import Arith
-from tests.threads import one_torch_thread
 
 DIVERGENCES = [ForwardKL(), ReverseKL(), JSD(beta=0.3), TVD()]
 
@@ -203,44 +201,3 @@ def test_the_cache_is_built_at_fit_start_where_the_trainer_placed_the_target_and
         trainer.fit(_module(datamodule, lazy), datamodule=datamodule)
         assert calls[0] == expected_calls and lazy._frozen is None  # built (or reused) and released
     assert _cache_contents(tmp_path / "cache") == _cache_contents(tmp_path / "direct")
-
-
-_CACHE_WORKER = """
-import json
-import torch, torch.distributed as dist
-from helpers import join_gloo
-from test_distill_module import tiny_lm
-from test_selection_reference import _count_calls
-from test_target_cache import _datamodule
-from specdistill.data.target_cache import build_target_cache
-rank, (path,), out = join_gloo()
-torch.set_num_threads(1)  # as the test process: the same reductions, so the same values to the bit
-datamodule = _datamodule()
-vocab = len(datamodule.tokenizer)
-target = tiny_lm(2, vocab=vocab)
-calls = _count_calls(target)
-cache = build_target_cache(path, target, datamodule.tokenizer, datamodule, vocab, m=8)
-dist.destroy_process_group()
-json.dump({"calls": calls[0], "key": cache.key}, open(out, "w"))
-"""
-
-
-@pytest.mark.slow  # two fresh Python processes importing torch: seconds, more on a loaded machine
-def test_ranks_cache_their_share_and_write_one_cache(tmp_path):
-    """Two gloo ranks split the scoring batches (train: 3 batches, validation: 1; each rank runs 2 + 1 forwards),
-    each writes its part, and rank 0 merges them into exactly the single-process cache."""
-    datamodule = _datamodule()
-    vocab = len(datamodule.tokenizer)
-    with one_torch_thread():
-        build_target_cache(
-            tmp_path / "single", tiny_lm(2, vocab=vocab), datamodule.tokenizer, datamodule, vocab, m=8
-        )
-    results = run_gloo_ranks(_CACHE_WORKER, str(tmp_path / "shared"), out_dir=tmp_path)
-    assert [r["calls"] for r in results] == [3, 3]  # instead of 4 in one process
-    assert results[0]["key"] == results[1]["key"]
-    assert _cache_contents(tmp_path / "shared") == _cache_contents(tmp_path / "single")
-    assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == [
-        "specdistill_target_cache.json",
-        "train",
-        "validation",
-    ]  # fmt: skip  (the parts were merged and removed)
