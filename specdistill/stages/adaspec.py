@@ -117,9 +117,8 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     divergence = instantiate(cfg.divergence)
     selector = instantiate(cfg.selector, k=k)
     target = models.pop("target")
-    frozen_target = (
-        None  # with a cached target the module holds no target model: the fit-start passes share one
-    )
+    # with a cached target the module holds no target model: the fit-start passes share this one
+    frozen_target = None
     if settings.get("cached_target"):
         # cached at fit start where the Trainer places the target, every rank a share of each split (or reused)
         frozen_target = Frozen(target)
