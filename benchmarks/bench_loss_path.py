@@ -81,7 +81,7 @@ def loss_path(
     return reduce_tokens(per_token, None, window_normaliser(batch))
 
 
-def _memory() -> tuple[int, int]:
+def memory() -> tuple[int, int]:
     """`(VmRSS, VmHWM)` of this process in bytes."""
     values = {}
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -107,11 +107,11 @@ def worker(mode: str, vocab: int, seq: int, chunk_size: int, repeats: int, grads
         return loss.detach()
 
     Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark to the current resident set
-    before, _ = _memory()
+    before, _ = memory()
     start = time.perf_counter()
     loss = step()
     first = time.perf_counter() - start
-    _, peak = _memory()
+    _, peak = memory()
     start = time.perf_counter()
     for _ in range(repeats - 1):
         step()

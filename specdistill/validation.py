@@ -62,6 +62,8 @@ def check_stage_settings(cfg: DictConfig, stage: str) -> None:
                 f"{stage}.k={k!r}: the fraction of answer tokens AdaSPEC trains on must be in (0, 1], e.g. "
                 f"{stage}.k=0.4 (1.0 trains on every token, as DistillSpec)."
             )
+    if "num_nodes" in settings:  # a stage that starts its own processes (rollout)
+        check_ranks(cfg, stage)
     if "trainer" in settings and "trainer" in cfg:
         from specdistill.stages.build import trainer_config
 
@@ -72,6 +74,33 @@ def check_stage_settings(cfg: DictConfig, stage: str) -> None:
                     f"{key}=0 for stage {stage}: it would export an untrained model and report success. Set "
                     f"trainer.{key} (or ++{stage}.trainer.{key}) to a positive number, or -1/null for no limit."
                 )
+
+
+def check_ranks(cfg: DictConfig, stage: str) -> None:
+    """`<stage>.devices` processes per node on `<stage>.num_nodes` nodes: positive counts, a device type (not one
+    device) when there are several, and one process per node for a target placed across the node's GPUs."""
+    settings = cfg[stage]
+    for key, kind in (("devices", int), ("num_nodes", int), ("barrier_timeout_minutes", int | float)):
+        value = settings.get(key)
+        if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
+            raise ConfigError(f"{stage}.{key}={value!r} must be a positive number, e.g. {stage}.{key}=1.")
+    if settings.devices * settings.num_nodes == 1:
+        return
+    device = str(settings.get("device", "auto"))
+    if device not in ("auto", "cuda", "cpu"):
+        raise ConfigError(
+            f"{stage}.device={device} names one device, but {stage}.devices={settings.devices} x "
+            f"{stage}.num_nodes={settings.num_nodes} processes each take their own: set {stage}.device=auto (or cuda, "
+            "cpu), and CUDA_VISIBLE_DEVICES to choose the GPUs."
+        )
+    device_map = OmegaConf.select(cfg, "models.target.device_map")
+    if device_map is not None and settings.devices > 1:
+        raise ConfigError(
+            f"models.target.device_map places the target across all GPUs of a node, so {stage}.devices="
+            f"{settings.devices} processes per node would each load it there: run one process per node "
+            f"({stage}.devices=1, {stage}.num_nodes=<nodes>), or drop the device_map and give each GPU its own "
+            "process when the target fits one GPU."
+        )
 
 
 def check_drafts_given(cfg: DictConfig) -> None:

@@ -1,8 +1,10 @@
-"""Shared helpers for tests that run train.py: tiny settings that make every stage take seconds."""
+"""Shared helpers for tests that run train.py (tiny settings that make every stage take seconds) or several ranks."""
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -46,3 +48,34 @@ def run_train(args: list[str], cwd: Path = ROOT, timeout: int = 600) -> subproce
 
 def check_ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"train.py failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+
+
+def run_gloo_ranks(worker: str, *args: str, out_dir: Path, world_size: int = 2, timeout: int = 300) -> list:
+    """Run the Python source `worker` in `world_size` fresh processes, one gloo rank each, and return what each rank
+    wrote (JSON) in rank order. The worker starts with `rank, args, out = join_gloo()` (its process group is then
+    up; `args` are `args`) and ends by writing its JSON result to `out`."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    outs = [out_dir / f"rank{rank}.json" for rank in range(world_size)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", worker, str(rank), str(world_size), str(port), str(outs[rank]), *args],
+            env=env,
+        )
+        for rank in range(world_size)
+    ]
+    assert [p.wait(timeout=timeout) for p in procs] == [0] * world_size
+    return [json.loads(out.read_text()) for out in outs]
+
+
+def join_gloo() -> tuple[int, list[str], Path]:
+    """In a `run_gloo_ranks` worker: join the gloo process group; return `(rank, args, out)`."""
+    import torch.distributed as dist
+
+    rank, world_size, port, out, *args = sys.argv[1:]
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=int(rank), world_size=int(world_size)
+    )
+    return int(rank), args, Path(out)

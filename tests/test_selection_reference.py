@@ -3,22 +3,22 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_gloo_ranks
 from test_distill_module import VOCAB, make_batches, make_examples, tiny_lm
+from test_target_cache import _cache_contents
+from test_target_cache import _datamodule as _cache_datamodule
 
 from specdistill.data.arith_tokenizer import arith_tokenizer
 from specdistill.data.datamodule import TaskDataModule
+from specdistill.data.target_cache import build_target_cache
 from specdistill.losses import ForwardKL, ReverseKL, forward_kl
 from specdistill.selection.reference import CachedReferenceScores, OnlineReference, cached_reference_scores
 from specdistill.selection.scoring import pad_scores, score_batch
 from specdistill.tasks.arith import Arith
+from tests.threads import one_torch_thread
 
 
 def _rows(model, batch, mask) -> torch.Tensor:
@@ -103,51 +103,57 @@ def test_cached_provider_refuses_a_missing_or_misshapen_column(column):
         CachedReferenceScores().score(batch, mask, torch.zeros(int(mask.sum()), VOCAB))
 
 
-_SCORING_WORKER = """
-import json, sys
+_WORKER = """
+import json
 import torch, torch.distributed as dist
+from helpers import join_gloo
 from test_distill_module import tiny_lm
 from test_selection_reference import _count_calls, _datamodule
+from test_target_cache import _datamodule as _cache_datamodule
+from specdistill.data.target_cache import build_target_cache
 from specdistill.losses import ForwardKL
 from specdistill.selection.reference import cached_reference_scores
-rank, port, path, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+rank, (scores_path, cache_path), out = join_gloo()
+torch.set_num_threads(1)  # as the test process: the same reductions, so the same values to the bit
 datamodule = _datamodule()
 vocab = len(datamodule.tokenizer)
 target, reference = tiny_lm(2, vocab=vocab), tiny_lm(3, hidden=16, vocab=vocab)
 calls = _count_calls(reference)
-rows = cached_reference_scores(path, target, reference, datamodule, ForwardKL(), vocab)
+rows = cached_reference_scores(scores_path, target, reference, datamodule, ForwardKL(), vocab)
+target_calls = _count_calls(target)
+build_target_cache(cache_path, target, datamodule.tokenizer, _cache_datamodule(), vocab, m=8)
 dist.destroy_process_group()
-json.dump({"rows": rows, "calls": calls[0]}, open(out, "w"))
+json.dump({"rows": rows, "calls": calls[0], "target_calls": target_calls[0]}, open(out, "w"))
 """
 
 
 @pytest.mark.slow  # two fresh Python processes importing torch: seconds, more on a loaded machine
-def test_ranks_score_their_shards_and_write_one_set_of_scores(tmp_path):
-    """Two gloo ranks split the scoring batches (2 forwards each instead of 3) and end with the single-process rows,
-    saved once."""
+def test_ranks_share_the_fit_start_passes_and_write_one_set_of_scores_and_one_target_cache(tmp_path):
+    """Two gloo ranks split the batches of both offline passes and end with the single-process results, saved once:
+    the reference scores (3 batches: 2 forwards each) and the cached target distributions (train 3 batches and
+    validation 1: 2 + 1 forwards each, instead of 4; each rank writes its part, rank 0 merges)."""
     datamodule = _datamodule()
     vocab = len(datamodule.tokenizer)
     target, reference = tiny_lm(2, vocab=vocab), tiny_lm(3, hidden=16, vocab=vocab)
     expected = cached_reference_scores(tmp_path / "single", target, reference, datamodule, ForwardKL(), vocab)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    tests = Path(__file__).resolve().parent
-    env = {**os.environ, "PYTHONPATH": f"{tests.parent}{os.pathsep}{tests}"}
-    path, outs = tmp_path / "shared", [tmp_path / f"rank{r}.json" for r in range(2)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _SCORING_WORKER, str(r), str(port), str(path), str(outs[r])], env=env
+    with one_torch_thread():
+        build_target_cache(
+            tmp_path / "single_cache", target, datamodule.tokenizer, _cache_datamodule(), vocab, m=8
         )
-        for r in range(2)
-    ]
-    assert [p.wait(timeout=300) for p in procs] == [0, 0]
-    results = [json.loads(o.read_text()) for o in outs]
+    path, cache = tmp_path / "shared", tmp_path / "shared_cache"
+    results = run_gloo_ranks(_WORKER, str(path), str(cache), out_dir=tmp_path)
     assert [r["calls"] for r in results] == [2, 2]  # batches 0, 2 and 1 (+ 1 repeated to keep step)
     for result in results:
         torch.testing.assert_close(result["rows"], expected)
-    assert sorted(p.name for p in tmp_path.iterdir() if "shared" in p.name) == [
-        "shared"
-    ]  # shards merged, removed
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("shared")) == [
+        "shared",
+        "shared_cache",
+    ]  # fmt: skip  (score shards merged, removed)
     assert (path / "specdistill_scores.json").is_file()
+    assert [r["target_calls"] for r in results] == [3, 3]
+    assert _cache_contents(cache) == _cache_contents(tmp_path / "single_cache")
+    assert sorted(p.name for p in cache.iterdir()) == [
+        "specdistill_target_cache.json",
+        "train",
+        "validation",
+    ]  # fmt: skip  (the parts were merged and removed)

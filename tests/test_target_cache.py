@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,8 +169,7 @@ def test_adaspec_stage_trains_from_the_cached_target(tmp_path):
 
 @pytest.mark.slow
 def test_distill_stage_trains_from_the_cached_target(tmp_path):
-    """`distill.cached_target=m`: the DistillSpec stage caches the target once too and trains from the cache; a
-    re-launch with the same settings reuses it (no second target pass)."""
+    """`distill.cached_target=m`: the DistillSpec stage caches the target once too and trains from the cache."""
     from tests.helpers import TINY, check_ok, run_train, stage_overrides
 
     run_dir = tmp_path / "run"
@@ -182,3 +182,39 @@ def test_distill_stage_trains_from_the_cached_target(tmp_path):
     result = json.loads((run_dir / "result.json").read_text())
     assert 0 < result["val/expected_acceptance"] <= 1
     assert (run_dir / "export" / "model.safetensors").is_file()
+
+
+def _cache_contents(path) -> dict[str, dict[str, list]]:
+    """Every split of the cache at `path`, column by column (float32 values as Python floats)."""
+    import datasets
+
+    key = json.loads((Path(path) / "specdistill_target_cache.json").read_text())
+    return {split: datasets.load_from_disk(str(Path(path) / split)).to_dict() for split in key["data"]}
+
+
+def test_the_cache_is_built_at_fit_start_where_the_trainer_placed_the_target_and_reused(tmp_path):
+    """`CacheOnceTarget` (the adaspec stage's `cached_target`): the first fit builds the cache exactly as
+    `build_target_cache` does and releases the target; a second run with the same inputs reuses it, with no target
+    forward."""
+    import lightning as L
+
+    from specdistill.data.target_cache import CacheOnceTarget
+    from tests.test_selection_reference import _count_calls
+
+    datamodule = _datamodule()
+    vocab = len(datamodule.tokenizer)
+    target = tiny_lm(2, vocab=vocab)
+    build_target_cache(tmp_path / "direct", target, datamodule.tokenizer, datamodule, vocab, m=8)
+    calls = _count_calls(target)
+    for run, expected_calls in ((1, 4), (2, 4)):  # 3 train + 1 validation batch, once
+        lazy = CacheOnceTarget(target, tmp_path / "cache", datamodule.tokenizer, datamodule, vocab, m=8)
+        if run == 1:
+            with pytest.raises(RuntimeError, match="built at fit start"):
+                lazy.rows(
+                    next(iter(datamodule.val_dataloader())), torch.zeros(4, 3, dtype=torch.bool), "train"
+                )
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, limit_val_batches=0, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+        trainer.fit(_module(datamodule, lazy), datamodule=datamodule)
+        assert calls[0] == expected_calls and lazy._frozen is None  # built (or reused) and released
+    assert _cache_contents(tmp_path / "cache") == _cache_contents(tmp_path / "direct")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ from torch import nn
 from specdistill.losses.answers import answer_mask
 from specdistill.losses.rows import answer_rows
 from specdistill.losses.sparse import SparseRows, top_m
+from specdistill.models.frozen import Frozen
+from specdistill.utils.distributed import batches_of_rank, is_sharded, rank_and_world_size
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +80,18 @@ def build_target_cache(
     chunk_size: int = 1024,
     max_shard_size: str = "500MB",
     splits: tuple[str, ...] = ("train", "validation"),
+    identity: str | None = None,
 ) -> CachedTarget:
-    """Run the target once over the train split and store its top-m answer distributions under `path`.
+    """Run the target once over each split and store its top-m answer distributions under `path`.
+
+    When a process group is running (a Trainer's strategy), the ranks share the pass: each scores its share of the
+    batches (`specdistill.utils.distributed`), writes its part beside the cache, and rank 0 merges the parts into
+    the one cache (refusing a lost example) and writes the key last; every rank returns the same cache.
 
     Args:
         path: output directory (overwritten).
-        target: the frozen target, on the device the scoring batches should use.
+        target: the frozen target, on the device the scoring batches should use (or a ZeRO-3 engine: give
+            `identity` then, computed before the weights were partitioned).
         tokenizer: the shared tokenizer (fingerprinted).
         datamodule: a `TaskDataModule`; its `scoring_dataloader(split)` is scored for every split.
         vocab_size: the tokenizer's real vocabulary.
@@ -90,17 +99,40 @@ def build_target_cache(
         chunk_size: answer rows projected to logits at once.
         max_shard_size: arrow shard size on disk.
         splits: the splits to cache (training reads "train", validation "validation").
+        identity: `model_identity(target)`; computed here when None.
     """
     if not 1 <= m <= vocab_size:
         raise ValueError(f"m must lie in [1, vocab_size={vocab_size}] cached tokens per position, got {m}")
     path = Path(path)
+    rank, world_size = rank_and_world_size()
+    key = cache_key(identity or model_identity(target), tokenizer, datamodule, vocab_size, m, tuple(splits))
+    if rank == 0:
+        # the key marks a complete cache: an older one must not vouch for a half-rebuilt cache
+        (path / KEY_FILE).unlink(missing_ok=True)
+        shutil.rmtree(path / _PARTS_DIR, ignore_errors=True)  # parts of an interrupted pass
+    if world_size > 1:
+        torch.distributed.barrier()
     target.eval()
     for split in splits:
-        dataset = _score_split(target, datamodule, split, vocab_size, m, chunk_size)
-        dataset.save_to_disk(str(path / split), max_shard_size=max_shard_size)
-        log.info("cached the target's top-%d distributions of %d %s examples", m, len(dataset), split)
-    key = cache_key(model_identity(target), tokenizer, datamodule, vocab_size, m, tuple(splits))
-    (path / KEY_FILE).write_text(json.dumps(key, indent=1))
+        part = _score_split(target, datamodule, split, vocab_size, m, chunk_size, rank, world_size)
+        if world_size > 1:
+            # a rank with no batch of this split writes no part (datasets cannot reload an empty one)
+            if len(part):
+                part.save_to_disk(str(_part_path(path, split, rank)))
+            torch.distributed.barrier()  # every rank's part is written
+            if rank == 0:
+                written = [_part_path(path, split, r) for r in range(world_size)]
+                parts = [datasets.load_from_disk(str(p)) for p in written if p.is_dir()]
+                part = datasets.concatenate_datasets(parts) if parts else part
+        if rank == 0:
+            dataset = _merged(part, split, len(datamodule.tokenized(split)))
+            dataset.save_to_disk(str(path / split), max_shard_size=max_shard_size)
+            log.info("cached the target's top-%d distributions of %d %s examples", m, len(dataset), split)
+    if rank == 0:
+        shutil.rmtree(path / _PARTS_DIR, ignore_errors=True)
+        (path / KEY_FILE).write_text(json.dumps(key, indent=1))
+    if world_size > 1:
+        torch.distributed.barrier()  # rank 0 has written the one cache
     return CachedTarget(path, key)
 
 
@@ -112,20 +144,38 @@ _FEATURES = datasets.Features(
         "tail_mass": datasets.Sequence(datasets.Value("float32")),
     }
 )
+_PARTS_DIR = ".rank_parts"
+
+
+def _part_path(path: Path, split: str, rank: int) -> Path:
+    return path / _PARTS_DIR / split / f"rank{rank}"
 
 
 def _score_split(
-    target: nn.Module, datamodule: Any, split: str, vocab_size: int, m: int, chunk_size: int
+    target: nn.Module,
+    datamodule: Any,
+    split: str,
+    vocab_size: int,
+    m: int,
+    chunk_size: int,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> datasets.Dataset:
+    """This rank's examples of `split` (all of them for one rank), in the order scored."""
     device = next(target.parameters()).device
     columns: dict[str, list] = {name: [] for name in _FEATURES}
-    for batch in datamodule.scoring_dataloader(split):
+    loader = datamodule.scoring_dataloader(split)
+    if is_sharded(loader):  # the datamodule gives this rank its share already
+        rank, world_size = 0, 1
+    for batch, counts in batches_of_rank(loader, rank, world_size):
         batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
         keep = answer_mask(batch["labels"])
         rows = answer_rows(target, batch, keep, vocab_size)
         pieces = [
             top_m(rows.logits(*rows.inputs(s, s + chunk_size)), m) for s in range(0, len(rows), chunk_size)
         ]
+        if not counts:  # kept step with the other ranks; the result is discarded
+            continue
         if not pieces:
             pieces = [top_m(torch.zeros(0, vocab_size), m)]
         log_probs, token_ids, tail = (torch.cat(p).cpu() for p in zip(*pieces, strict=True))
@@ -136,9 +186,20 @@ def _score_split(
             columns["token_ids"].append(token_ids[start : start + n].reshape(-1).int().numpy())
             columns["tail_mass"].append(tail[start : start + n].numpy())
             start += n
-    dataset = datasets.Dataset.from_dict(columns, features=_FEATURES).sort("example_id")
-    if dataset["example_id"] != list(range(len(dataset))):
-        raise ValueError(f"the {split} scoring dataloader must yield every example_id 0..N-1 exactly once")
+    return datasets.Dataset.from_dict(columns, features=_FEATURES)
+
+
+def _merged(dataset: datasets.Dataset, split: str, num_examples: int) -> datasets.Dataset:
+    """`dataset` in `example_id` order, one row per example (a sharded dataloader may pad a rank's share with
+    repeats); raises unless the ids are exactly 0..num_examples-1."""
+    ids = np.asarray(dataset["example_id"], dtype=np.int64)
+    _, first = np.unique(ids, return_index=True)  # sorted by id, the first copy of each
+    dataset = dataset.select(first.tolist())
+    if dataset["example_id"] != list(range(num_examples)):
+        raise ValueError(
+            f"the {split} scoring dataloader must yield every example_id 0..{num_examples - 1}; it yielded "
+            f"{len(dataset)} distinct ids"
+        )
     return dataset
 
 
@@ -189,6 +250,9 @@ class CachedTarget:
             )
         return cls(path, stored)
 
+    def place(self, trainer: Any) -> None:
+        """Nothing to place: the cache is read from disk (`CacheOnceTarget` builds itself here)."""
+
     def rows(self, batch: Mapping[str, Any], keep: torch.Tensor, split: str) -> SparseRows:
         """The cached rows of the batch's answer positions, in the row-major order of `keep` `(B, T-1)`."""
         if split not in self._splits:
@@ -218,12 +282,57 @@ class CachedTarget:
         )
 
 
-def open_or_build_target_cache(
-    path: str | Path, target: nn.Module, tokenizer: Any, datamodule: Any, vocab_size: int, m: int
-) -> CachedTarget:
-    """A stage's target cache: the one at `path` when it was built from this target, tokenizer, data, vocabulary and
-    m (a resumed or re-launched run), else a new one (one target pass over train and validation)."""
-    try:
-        return CachedTarget.load(path, model_identity(target), tokenizer, datamodule, vocab_size, m=m)
-    except ValueError:
-        return build_target_cache(path, target, tokenizer, datamodule, vocab_size, m=m)
+class CacheOnceTarget(CachedTarget):
+    """`CachedTarget` that builds the cache itself, once, where the Trainer placed the target.
+
+    At fit start (`place`, called by `DistillModule`) the cache at `path` is reused if it was built from this target,
+    tokenizer and data; else the target is placed like any frozen model (the strategy's device, or ZeRO-3 shards) and
+    all ranks build it together (`build_target_cache`). The target is released afterwards.
+
+    Args:
+        target: the frozen target, or its `Frozen` holder when another provider places the same model
+            (`ScoreOnceReference`), so that it is placed once.
+        path, tokenizer, datamodule, vocab_size, m: as for `build_target_cache` (train and validation are cached).
+    """
+
+    def __init__(
+        self,
+        target: nn.Module | Frozen,
+        path: str | Path,
+        tokenizer: Any,
+        datamodule: Any,
+        vocab_size: int,
+        m: int,
+    ) -> None:
+        if not 1 <= m <= vocab_size:
+            raise ValueError(
+                f"m must lie in [1, vocab_size={vocab_size}] cached tokens per position, got {m}"
+            )
+        self.path, self.vocab_size, self.m = Path(path), int(vocab_size), int(m)
+        self.key, self._splits = {}, {}
+        self._frozen: Frozen | None = target if isinstance(target, Frozen) else Frozen(target)
+        self._identity = model_identity(
+            self._frozen.model
+        )  # before a ZeRO-3 placement partitions the weights
+        self._tokenizer, self._datamodule = tokenizer, datamodule
+
+    def place(self, trainer: Any) -> None:
+        if self._frozen is None:  # built already
+            return
+        args = (self._tokenizer, self._datamodule, self.vocab_size)
+        try:
+            cache = CachedTarget.load(self.path, self._identity, *args, m=self.m)
+            log.info("reusing the cached target distributions in %s", self.path)
+        except ValueError:
+            target = self._frozen.place(trainer).model
+            cache = build_target_cache(self.path, target, *args, m=self.m, identity=self._identity)
+        self.key, self._splits = cache.key, cache._splits
+        self._frozen = self._tokenizer = self._datamodule = None
+
+    def rows(self, batch: Mapping[str, Any], keep: torch.Tensor, split: str) -> SparseRows:
+        if self._frozen is not None:
+            raise RuntimeError(
+                "the cached target distributions are built at fit start (CacheOnceTarget.place under a Trainer); "
+                "outside a Trainer build them with build_target_cache"
+            )
+        return super().rows(batch, keep, split)

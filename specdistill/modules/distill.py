@@ -109,6 +109,8 @@ class DistillModule(LightningModule):
     def _place_frozen(self) -> None:
         reference = self.reference if self.uses_reference else None
         if self._trainer is not None:
+            if self.cached_target is not None:
+                self.cached_target.place(self.trainer)  # a CacheOnceTarget is built here, the ranks together
             if self._target is not None:
                 self._target.place(self.trainer)
             if reference is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.rollout.generate import label_responses, row_seeds, sample_responses
 from specdistill.rollout.labels import labelling_config
+from specdistill.rollout.ranks import Ranks, rank_shards
 from specdistill.rollout.storage import load_shards, num_shards, prepare_out_dir, read_settings, write_shard
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ def run_rollouts(
     pad_token_id: int | None = None,
     on_shard_done: Callable[[int], None] | None = None,
     responses_from: str | Path | None = None,
+    ranks: Ranks | None = None,
 ) -> datasets.Dataset:
     """Label every prompt's rollout for acceptance-head training and store the result in `out_dir`.
 
@@ -104,9 +106,12 @@ def run_rollouts(
         responses_from: a finished rollout directory made with the same prompts, sampling, seed, budget and shards
             (e.g. for another draft): its target responses are reused instead of generated again. They are exactly
             what this call would generate (the same per-shard seeds), so only the labelling passes run.
+        ranks: the processes sharing this call (`specdistill.rollout.ranks.Ranks`; default one): every rank makes
+            the same call, rolls out only its shards (`rank_shards`) and, after a barrier, loads the whole dataset.
+            The result is the same for any number of ranks.
 
     Returns:
-        The whole rollout dataset (`load_rollouts(out_dir)`).
+        The whole rollout dataset (`load_rollouts(out_dir)`), on every rank.
     """
     for name, value in {
         "max_new_tokens": max_new_tokens,
@@ -134,18 +139,27 @@ def run_rollouts(
         "eos_token_id": eos_token_id,
         "pad_token_id": pad_token_id,
     }
+    ranks = ranks or Ranks()
     reused = _reusable_responses(responses_from, settings) if responses_from is not None else None
-    finished = set(prepare_out_dir(out_dir, settings))
+    finished = set(prepare_out_dir(out_dir, settings, write=ranks.is_main))
+    ranks.barrier()  # the directory exists, leftovers are gone, before any rank writes a shard
     total_shards = num_shards(len(prompts), shard_size)
+    mine = rank_shards(total_shards, ranks.rank, ranks.world_size)
     if finished:
         log.info(
             "resuming rollouts in %s: %d of %d shards already done", out_dir, len(finished), total_shards
         )
     target.eval()
     draft.eval()
-    done_prompts = sum(min(shard_size, len(prompts) - s * shard_size) for s in finished)
-    with tqdm(total=len(prompts), initial=done_prompts, unit="prompt", desc="rollouts") as progress:
-        for shard in range(total_shards):
+
+    def prompts_in(shards: Iterable[int]) -> int:
+        return sum(min(shard_size, len(prompts) - s * shard_size) for s in shards)
+
+    with tqdm(
+        total=prompts_in(mine), initial=prompts_in(finished.intersection(mine)), unit="prompt",
+        desc="rollouts" if ranks.world_size == 1 else f"rollouts (rank {ranks.rank})",
+    ) as progress:  # fmt: skip
+        for shard in mine:
             if shard in finished:
                 continue
             indices = range(shard * shard_size, min((shard + 1) * shard_size, len(prompts)))
@@ -168,6 +182,7 @@ def run_rollouts(
             write_shard(out_dir, shard, columns, FEATURES)
             if on_shard_done is not None:
                 on_shard_done(shard)
+    ranks.barrier()  # every shard is written: loading checks that none is missing or duplicated
     return load_rollouts(out_dir)
 
 

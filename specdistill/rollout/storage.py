@@ -7,7 +7,9 @@ Layout of `out_dir`:
     shards/shard_00001/ ...
 
 A shard is written to a temporary directory and renamed into place, so a shard directory exists only once it is
-complete; leftovers of an interrupted write are removed on resume.
+complete; leftovers of an interrupted write are removed on resume. Several ranks share one directory
+(`specdistill.rollout.ranks`): each writes only its own shards, and loading the directory after all of them are done
+is the one merge (it refuses a missing shard or a lost or duplicated example).
 """
 
 from __future__ import annotations
@@ -34,8 +36,11 @@ def num_shards(num_examples: int, shard_size: int) -> int:
     return math.ceil(num_examples / shard_size)
 
 
-def prepare_out_dir(out_dir: str | Path, settings: dict[str, Any]) -> list[int]:
+def prepare_out_dir(out_dir: str | Path, settings: dict[str, Any], write: bool = True) -> list[int]:
     """Create `out_dir` or check it was started with the same settings; return the indices of finished shards.
+
+    With several ranks every rank checks (so all of them raise alike), and only one, `write=True`, creates the
+    directory and removes the leftovers of interrupted writes, before any rank starts writing shards.
 
     Raises:
         ValueError: if `out_dir` holds rollouts made with other settings (resuming would mix two datasets).
@@ -50,13 +55,14 @@ def prepare_out_dir(out_dir: str | Path, settings: dict[str, Any]) -> list[int]:
                 f"{out_dir} holds rollouts made with other settings (differing: {', '.join(changed)}). "
                 "Use a new output directory, or delete this one to start over."
             )
-    else:
+    elif write:
         out_dir.mkdir(parents=True, exist_ok=True)
         _atomic_write_text(settings_path, json.dumps(settings, indent=2, sort_keys=True) + "\n")
     shards = out_dir / SHARDS_DIR
-    shards.mkdir(exist_ok=True)
-    for leftover in shards.glob(f"{_TMP_PREFIX}*"):
-        shutil.rmtree(leftover)
+    if write:
+        shards.mkdir(exist_ok=True)
+        for leftover in shards.glob(f"{_TMP_PREFIX}*"):
+            shutil.rmtree(leftover)
     expected = num_shards(settings["num_prompts"], settings["shard_size"])
     return [i for i in range(expected) if shard_path(out_dir, i).is_dir()]
 

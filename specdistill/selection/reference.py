@@ -34,6 +34,7 @@ from specdistill.losses.divergence import Divergence
 from specdistill.losses.rows import answer_rows
 from specdistill.models.frozen import Frozen
 from specdistill.selection.scoring import score_reference
+from specdistill.utils.distributed import is_sharded, rank_and_world_size
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,8 @@ class ScoreOnceReference(CachedReferenceScores):
         path: where the scores are saved (and reused from by a later run with the same inputs).
         datamodule: the `TaskDataModule` whose train split is scored and receives the column.
         target: the frozen target, when the module trains without one (a cached target distribution): placed here
-            like the reference and released after scoring. None: the module's own target.
+            like the reference and released after scoring; its `Frozen` holder when the target cache holds the same
+            one, so that it is placed once. None: the module's own target.
     """
 
     def __init__(
@@ -138,10 +140,10 @@ class ScoreOnceReference(CachedReferenceScores):
         vocab_size: int,
         path: Path,
         datamodule: Any,
-        target: nn.Module | None = None,
+        target: nn.Module | Frozen | None = None,
     ) -> None:
         self._frozen: Frozen | None = Frozen(model)
-        self._target: Frozen | None = Frozen(target) if target is not None else None
+        self._target: Frozen | None = Frozen(target) if isinstance(target, nn.Module) else target
         self.divergence = divergence
         self.vocab_size = vocab_size
         self.path = Path(path)
@@ -205,11 +207,10 @@ def cached_reference_scores(
     if meta.is_file() and json.loads(meta.read_text()) == key:
         log.info("reusing cached reference scores from %s", path)
         return datasets.load_from_disk(str(path)).data.column(CACHED_COLUMN).to_pylist()
-    rank, world_size = _rank_and_world_size()
+    rank, world_size = rank_and_world_size()
     log.info("scoring %d train examples with the reference (once, %d rank(s))", len(train), world_size)
     loader = datamodule.scoring_dataloader("train")
-    # a datamodule attached to a multi-device Trainer already gives each rank its shard (equal lengths)
-    sharded = getattr(loader.sampler, "num_replicas", 1) > 1
+    sharded = is_sharded(loader)  # a datamodule attached to a multi-device Trainer gives each rank its share
     scores = score_reference(
         target, reference, loader, divergence, vocab_size,
         rank=0 if sharded else rank, world_size=1 if sharded else world_size, progress=True,
@@ -229,13 +230,6 @@ def cached_reference_scores(
     if world_size > 1:
         torch.distributed.barrier()  # rank 0 has written the one set of scores
     return datasets.load_from_disk(str(path)).data.column(CACHED_COLUMN).to_pylist()
-
-
-def _rank_and_world_size() -> tuple[int, int]:
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _merge_across_ranks(

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from specdistill.losses.answers import answer_mask
 from specdistill.losses.divergence import Divergence
 from specdistill.losses.rows import answer_rows
+from specdistill.utils.distributed import batches_of_rank
 
 
 @torch.no_grad()
@@ -51,38 +52,30 @@ def score_reference(
     they run (the batches follow the target's first parameter); they are put in eval mode. Each row has the
     example's real length minus one (see module doc).
 
-    With `world_size > 1` this rank scores batches `rank, rank + world_size, ...` only. Every rank runs the same
-    number of forward passes (one that has fewer batches repeats its last, discarded): frozen models sharded with
-    ZeRO-3 gather their weights collectively, so a rank that stopped early would hang the others.
+    With `world_size > 1` this rank scores batches `rank, rank + world_size, ...` only, in step with the other ranks
+    (`specdistill.utils.distributed.batches_of_rank`).
     """
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must lie in [0, world_size = {world_size}), got {rank}")
     target.eval()
     reference.eval()
-    rounds = math.ceil(len(dataloader) / world_size)
     scores: dict[int, list[float]] = {}
     device = next(target.parameters()).device
+    rounds = math.ceil(len(dataloader) / world_size)
     bar = tqdm(total=rounds, desc="reference scores", unit="batch", disable=not progress or rank != 0)
-    done, last = 0, None
-    for index, batch in enumerate(dataloader):
-        if index % world_size != rank:
+    for batch, counts in batches_of_rank(dataloader, rank, world_size):
+        batch = _to(batch, device)
+        values = score_batch(target, reference, batch, divergence, vocab_size).cpu()
+        bar.update()
+        if not counts:  # kept step with the other ranks; the result is discarded
             continue
-        last = _to(batch, device)
-        values = score_batch(target, reference, last, divergence, vocab_size).cpu()
-        lengths = last["attention_mask"].sum(dim=1).cpu()
+        lengths = batch["attention_mask"].sum(dim=1).cpu()
         for example_id, row, length in zip(
-            last["example_id"].tolist(), values, lengths.tolist(), strict=True
+            batch["example_id"].tolist(), values, lengths.tolist(), strict=True
         ):
             if example_id in scores:
                 raise ValueError(
                     f"example_id {example_id} appears twice in the dataloader; ids must be unique"
                 )
             scores[int(example_id)] = row[: max(int(length) - 1, 0)].tolist()
-        done += 1
-        bar.update()
-    for _ in range(rounds - done):  # keep step with the other ranks; the result is discarded
-        score_batch(target, reference, last or _to(next(iter(dataloader)), device), divergence, vocab_size)
-        bar.update()
     bar.close()
     return scores
 

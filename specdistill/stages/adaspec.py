@@ -5,8 +5,8 @@ draft, initialised from the *base* draft checkpoint. The selector (`conf/selecto
 of answer tokens; the reference's per-token divergence comes from the online reference or, with
 `adaspec.cached_scores` (default), from one scoring pass saved beside the run (`reference_scores/`), run at fit start
 where the Trainer's strategy put the target, each rank scoring a shard. With `adaspec.cached_target=<m>` the
-target's top-m answer distributions are cached once (`target_cache/`) and training runs without the target model
-(docs/METHODS.md section 2, "Cached target distributions").
+target's top-m answer distributions are cached once (`target_cache/`), at fit start in the same way, and training
+runs without the target model (docs/METHODS.md section 2, "Cached target distributions").
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
 
 from specdistill.callbacks.token_selection import SelectionReport
-from specdistill.data.target_cache import open_or_build_target_cache
+from specdistill.data.target_cache import CacheOnceTarget
 from specdistill.models import ModelSpec
+from specdistill.models.frozen import Frozen
 from specdistill.modules.distill import DistillModule
 from specdistill.selection.reference import OnlineReference, ScoreOnceReference
 from specdistill.selection.topk import check_fraction
@@ -115,21 +116,25 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         matched_steps(baseline, len(datamodule.tokenized("train")), trainer_cfg)
     divergence = instantiate(cfg.divergence)
     selector = instantiate(cfg.selector, k=k)
+    target = models.pop("target")
+    # with a cached target the module holds no target model: the fit-start passes share this one
+    frozen_target = None
+    if settings.get("cached_target"):
+        # cached at fit start where the Trainer places the target, every rank a share of each split (or reused)
+        frozen_target = Frozen(target)
+        target = CacheOnceTarget(
+            frozen_target, out_dir / "target_cache", tokenizer, datamodule, vocab_size, m=int(settings.cached_target),
+        )  # fmt: skip
     reference = None
     if selector.needs_reference and settings.cached_scores:
         # scored at fit start, on the devices the Trainer gives the target, every rank a shard of the train split
-        # with a cached target the module holds no target model: the scoring pass gets its own, released after it
         reference = ScoreOnceReference(
             models["reference"], divergence, vocab_size, out_dir / "reference_scores", datamodule,
-            target=models["target"] if settings.get("cached_target") else None,
+            target=frozen_target,
         )  # fmt: skip
     elif selector.needs_reference:
         reference = OnlineReference(models["reference"], divergence, vocab_size)
-    target = models.pop("target")
-    if settings.get("cached_target"):
-        target = open_or_build_target_cache(
-            out_dir / "target_cache", target, tokenizer, datamodule, vocab_size, m=int(settings.cached_target)
-        )
+    del frozen_target  # the fit-start passes release the target when done: nothing else may keep it in memory
     module = DistillModule(
         draft=models["draft"],
         target=target,

@@ -1,8 +1,8 @@
 """Stage `distill`: DistillSpec-style distillation of the draft on all answer tokens; its export is the reference.
 
 With `distill.cached_target=<m>` the target's top-m answer distributions are cached once (`target_cache/`, one target
-pass over train and validation) and training runs without the target model (docs/METHODS.md section 2, "Cached
-target distributions").
+pass over train and validation at fit start, where the Trainer placed the target) and training runs without it
+(docs/METHODS.md section 2, "Cached target distributions").
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
 from specdistill.data.datamodule import TaskDataModule
-from specdistill.data.target_cache import open_or_build_target_cache
+from specdistill.data.target_cache import CacheOnceTarget
 from specdistill.modules.distill import DistillModule
 from specdistill.stages.build import (
     build_trainer,
@@ -44,9 +44,11 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     datamodule = training_datamodule(cfg, tokenizer, settings, trainer_cfg)
     target = models.pop("target")
     if settings.get("cached_target"):
-        target = open_or_build_target_cache(
-            out_dir / "target_cache", target, tokenizer, datamodule, vocab_size, m=int(settings.cached_target)
-        )  # the target model is released: training reads the cache
+        # cached at fit start where the Trainer places the target, every rank a share of each split (or reused);
+        # the target is released after that pass: training reads the cache
+        target = CacheOnceTarget(
+            target, out_dir / "target_cache", tokenizer, datamodule, vocab_size, m=int(settings.cached_target)
+        )
     module = DistillModule(
         draft=models["draft"],
         target=target,

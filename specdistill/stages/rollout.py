@@ -4,6 +4,11 @@ For every draft in `rollout.drafts` (name -> export path; default the pair's dra
 each training prompt, one teacher-forced draft pass samples a draft token at every position, and each gets the soft
 label min(1, p/q) under the decoding warping (`sampling`, docs/METHODS.md section 4). Rollouts are written in shards:
 re-launching the same run resumes where it stopped.
+
+`rollout.devices` processes per node on `rollout.num_nodes` nodes share the shards (`specdistill.rollout.ranks`):
+each rank loads the models, rolls out its shards and, after the others are done, reads the one merged dataset; rank 0
+writes the result. A target placed with `models.target.device_map` spans the GPUs of its node, so it runs one process
+per node (`rollout.devices=1`, `rollout.num_nodes=N`).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from specdistill.decoding.sampling import SamplingConfig
+from specdistill.rollout.ranks import launch_ranks
 from specdistill.rollout.run import run_rollouts
 from specdistill.stages.build import (
     build_datamodule,
@@ -28,7 +34,9 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     settings = cfg.rollout
     seed_everything(cfg)
     drafts = named_drafts(cfg, settings.drafts)
-    device = pick_device(settings.device)
+    device, ranks = launch_ranks(
+        pick_device(settings.device), settings.devices, settings.num_nodes, settings.barrier_timeout_minutes
+    )
     tokenizer, target, models, vocab_size = load_frozen_target_and_drafts(cfg, drafts, device)
     datamodule = build_datamodule(cfg, tokenizer, max_length=settings.max_length)
     prompts = [p["prompt_ids"] for p in datamodule.prompts(settings.split)]
@@ -44,10 +52,11 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
             label_temperature_one=settings.label_temperature_one, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
             # the target's responses do not depend on the draft: generate them once, label them for each draft
-            responses_from=next(iter(rollouts.values()), None),
+            responses_from=next(iter(rollouts.values()), None), ranks=ranks,
         )  # fmt: skip
         rollouts[name] = str(directory)
         labels = [a for row in dataset["labels"] for a in row]
         if labels:  # the mean soft label is the rollouts' expected acceptance of a draft token
             metrics[f"{name}/mean_acceptance_label"] = sum(labels) / len(labels)
-    return write_result(out_dir, {"stage": "rollout", "rollouts": rollouts, **metrics})
+    result = {"stage": "rollout", "rollouts": rollouts, **metrics}
+    return write_result(out_dir, result) if ranks.is_main else result
