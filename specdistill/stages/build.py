@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf, open_dict
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from specdistill.callbacks.progress import training_progress_bar
 from specdistill.data.datamodule import TaskDataModule
 from specdistill.export.hf import export_pretrained
 from specdistill.models import ModelSpec, check_model_covers_vocab, check_same_tokenizer, freeze, load_model
@@ -241,6 +242,8 @@ def build_trainer(
     if select_best:
         best = [ModelCheckpoint(dirpath=out_dir / "checkpoints", filename="best", monitor=select_best, mode="max",
                                 save_top_k=1)]  # fmt: skip
+    # the training bar ends where the run stops (max_steps, accumulation, limit_train_batches, epochs)
+    progress = [training_progress_bar()] if trainer_cfg.get("enable_progress_bar", True) else []
     return instantiate(
         trainer_cfg,
         default_root_dir=str(out_dir),
@@ -248,6 +251,7 @@ def build_trainer(
         callbacks=[
             checkpoint,
             *best,
+            *progress,
             *lr_monitor,
             *scaleout,
             MasterWeightsCheck(pure_bf16),
