@@ -138,6 +138,31 @@ def format_table(report: Report | dict[str, Any]) -> str:
     return "\n".join([line(header), rule, *(line(r) for r in rows)])
 
 
+def summary_metrics(
+    report: Report | dict[str, Any], ratios: dict[str, float] | None = None
+) -> dict[str, float | str]:
+    """The report as flat scalars for a tracker's run summary (W&B), so a runs table can sort by any of them.
+
+    `<entry>/<metric>` for each entry's defined metrics (`adaspec/fixed_k4/speedup`) and task metric, the `ratios`,
+    and `best/<metric>` with `best/name`: the speculative entry with the highest `speedup`.
+    """
+    data = _as_dict(report)
+    metric_label = data.get("settings", {}).get("task_metric_name") or "task_metric"
+    out: dict[str, float | str] = {}
+    for e in data["entries"]:
+        values = {**e["metrics"], metric_label: e.get("task_metric")}
+        out.update({f"{e['name']}/{name}": value for name, value in values.items() if value is not None})
+    out.update(ratios or {})
+    ranked = [
+        e for e in data["entries"] if e["draft"] is not None and e["metrics"].get("speedup") is not None
+    ]
+    if ranked:
+        best = max(ranked, key=lambda e: e["metrics"]["speedup"])
+        out["best/name"] = best["name"]
+        out.update({f"best/{k}": v for k, v in best["metrics"].items() if v is not None})
+    return out
+
+
 def _speculative_entries(data: dict[str, Any]) -> list[dict[str, Any]]:
     return [e for e in data["entries"] if e["counters"]["rounds"] > 0]
 

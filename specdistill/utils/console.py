@@ -1,5 +1,7 @@
 """One console line per event: Lightning's own handlers removed (Hydra's print and log every record once), its
-advertisement and a torch deprecation notice dropped, and transformers' per-model "Loading weights" bars off."""
+advertisement and a torch deprecation notice dropped, transformers' per-model "Loading weights" bars off, and on a
+machine without CUDA DeepSpeed's "Setting accelerator to CPU" warning dropped (transformers' `save_pretrained`
+imports DeepSpeed whenever it is installed, and on such a machine CPU is the only choice)."""
 
 from __future__ import annotations
 
@@ -8,12 +10,25 @@ import warnings
 
 LIGHTNING_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric")
 ADVERTISEMENTS = ("litlogger", "LitLogger")
+DEEPSPEED_LOGGER = "DeepSpeed"
+DEEPSPEED_CPU_FALLBACK = "Setting accelerator to CPU"
 
 
-class _DropAdvertisements(logging.Filter):
+class _DropMessages(logging.Filter):
+    """Drops the records whose message contains one of `words`."""
+
+    def __init__(self, words: tuple[str, ...]) -> None:
+        super().__init__()
+        self.words = words
+
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return not any(word in message for word in ADVERTISEMENTS)
+        return not any(word in message for word in self.words)
+
+
+def _add_filter_once(logger: logging.Logger, words: tuple[str, ...]) -> None:
+    if not any(isinstance(f, _DropMessages) and f.words == words for f in logger.filters):
+        logger.addFilter(_DropMessages(words))
 
 
 def quiet_console() -> None:
@@ -28,9 +43,11 @@ def quiet_console() -> None:
         logger.propagate = True  # to Hydra's console and train.log handlers
     # Lightning 2.6 calls torch's deprecated pytree API once per fit: nothing a user can act on
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
-    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    if not any(isinstance(f, _DropAdvertisements) for f in rank_zero.filters):
-        rank_zero.addFilter(_DropAdvertisements())
+    _add_filter_once(logging.getLogger("lightning.pytorch.utilities.rank_zero"), ADVERTISEMENTS)
+    import torch
+
+    if not torch.cuda.is_available():  # DeepSpeed's logger, before DeepSpeed (if ever) imports and warns
+        _add_filter_once(logging.getLogger(DEEPSPEED_LOGGER), (DEEPSPEED_CPU_FALLBACK,))
     try:
         from transformers.utils import logging as hf_logging
     except ImportError:
