@@ -33,11 +33,15 @@ RUN_ID_FILE = "wandb_run_id.txt"
 
 
 class SpecDistillWandbLogger(WandbLogger):
-    """Lightning's `WandbLogger` plus whether stage exports go up as model artifacts (`log_export`)."""
+    """Lightning's `WandbLogger` plus whether stage exports go up as model artifacts (`log_export`), without its
+    `anonymous` argument."""
 
     def __init__(self, *args: Any, log_exports: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.log_exports = log_exports
+        # Lightning passes `anonymous=None` to wandb.init, where any value prints a deprecation warning
+        if self._wandb_init.get("anonymous") is None:
+            self._wandb_init.pop("anonymous", None)
 
 
 def has_api_key() -> bool:
