@@ -70,6 +70,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         task_metric_name=task.metric_name,
         acceptance_draft_length=settings.get("acceptance_draft_length"),
     )
+    result.report.settings["task"] = cfg.task.name  # the plots' titles name it
     result.report.save(out_dir)
     rows = [
         {"name": e["name"], **e["metrics"], "task_metric": e["task_metric"]}
