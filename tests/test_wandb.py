@@ -199,8 +199,13 @@ def test_run_names_are_the_stage_and_the_overrides_without_paths(hydra_job) -> N
          "models.target.config.hidden_size=32", "models.draft.config.hidden_size=16"]
     )  # fmt: skip
     assert run_name(run_dir) == "adaspec k=0.4 seed=1 target.hidden_size=32 draft.hidden_size=16"
-    # a pipeline's step is named after the step
-    assert run_name(run_dir / "evaluate").startswith("evaluate k=0.4 seed=1 ")
+    # a logger in a sub-folder (a pipeline's step, an acceptance head's draft) names it
+    assert run_name(run_dir / "adaspec_run").startswith("adaspec/adaspec_run k=0.4 seed=1 ")
+    run_dir = hydra_job(["seed=1", "task.sizes.train=4800"])
+    assert (
+        run_name(run_dir / "acceptance_head" / "adaspec")
+        == "pipeline/acceptance_head/adaspec seed=1 train=4800"
+    )
     run_dir = hydra_job(["stage=sft", *(f"task.sizes.{s}={n}" for s, n in [("train", 4800), ("test", 800)]),
                          "scheduler@sft.scheduler=cosine", "sft.optimizer.lr=1e-4", "sft.batch_size=16",
                          "sft.eval_examples=20"])  # fmt: skip

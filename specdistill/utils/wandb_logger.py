@@ -80,24 +80,31 @@ RUN_NAME_LENGTH = 64
 
 
 def run_name(save_dir: str | Path) -> str:
-    """A short run name: the stage (a pipeline's step), then the overrides that tell this job apart, paths left out.
+    """A short run name: the stage and the sub-folder the logger writes to, then the overrides that tell this job
+    apart, paths left out.
 
-    In a multirun those are the keys the sweep varies (read from `<sweep dir>/multirun.yaml`, which Hydra writes),
-    otherwise every command-line override but `stage`; each key is cut to the shortest name that stays unique
-    (`sft.optimizer.lr=1e-4` -> `lr=1e-4`), values that look like paths or hub ids are dropped, and the name
-    is cut to `RUN_NAME_LENGTH` characters, e.g. `adaspec k=0.4 seed=1`. Outside Hydra: the run directory's name.
+    The first word is `<stage>` for a stage's own folder, else `<stage>/<sub-folder>` (`pipeline/distill`,
+    `acceptance_head/adaspec`: a head per draft). In a multirun the overrides are the keys the sweep varies (read
+    from `<sweep dir>/multirun.yaml`, which Hydra writes), otherwise every command-line override but `stage`; each key
+    is cut to the shortest name that stays unique (`sft.optimizer.lr=1e-4` -> `lr=1e-4`), values that look like paths
+    or hub ids are dropped, and the name is cut to `RUN_NAME_LENGTH` characters, e.g. `adaspec k=0.4 seed=1`.
+    Outside Hydra: the run directory's name.
     """
     hc = _hydra()
     save_dir = Path(save_dir)
     if hc is None:
         return save_dir.name
     run_dir = Path(hc.runtime.output_dir)
-    stage = save_dir.name if save_dir.resolve() != run_dir.resolve() else hc.runtime.choices.get("stage")
+    try:
+        below = save_dir.resolve().relative_to(run_dir.resolve()).parts
+    except ValueError:  # a logger writing outside the run folder
+        below = (save_dir.name,)
+    stage = "/".join([hc.runtime.choices.get("stage") or run_dir.name, *below])
     multirun = str(hc.mode) == "RunMode.MULTIRUN"
     overrides = _named_overrides(
         list(hc.overrides.task), _swept_keys(Path(hc.sweep.dir)) if multirun else None
     )
-    name = " ".join(part for part in [stage or run_dir.name, *overrides] if part)
+    name = " ".join([stage, *overrides])
     return name if len(name) <= RUN_NAME_LENGTH else name[: RUN_NAME_LENGTH - 1] + "…"
 
 
