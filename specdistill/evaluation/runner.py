@@ -153,7 +153,8 @@ def _interleave(
     steps = [(r, i) for r in range(repeats) for i in range(len(prompts))]
     # the bar ticks between generations; each generation times itself, so it costs no measured time
     label = f"{split} split" if split else "evaluate"  # the selection split's passes, then the test split's
-    bar = tqdm(steps, desc=f"{label}: {len(configs)} configurations", unit="prompt", leave=False)
+    plural = "s" if len(configs) != 1 else ""
+    bar = tqdm(steps, desc=f"{label}: {len(configs)} configuration{plural}", unit="prompt", leave=False)
     for step, (r, i) in enumerate(bar):
         prompt = prompts[i]
         # every configuration decodes this prompt within moments of the others, first in turn: machine drift (other
