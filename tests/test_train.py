@@ -1,13 +1,17 @@
-"""End-to-end runs of train.py in subprocesses, as a user runs it: sft -> distill -> adaspec, exports and errors."""
+"""End-to-end runs of train.py in subprocesses, as a user runs it: sft -> distill -> adaspec, exports and errors, and
+what each stage prints (`<stage>.console.txt` beside each run folder)."""
 
 from __future__ import annotations
 
 import json
+import re
+from collections import Counter
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from specdistill.utils.wandb_logger import read_offline_run
 from tests.helpers import TINY, check_ok, run_train, stage_overrides
 
 pytestmark = pytest.mark.slow
@@ -19,40 +23,47 @@ STEPS = {"sft": 4, "distill": 2, "adaspec": 2, "acceptance_head": 3}
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
     """Every stage as a separate job, each on the exports of the earlier ones: sft -> distill -> adaspec -> rollout ->
-    acceptance_head -> evaluate. Each training stage gets `trainer.max_steps` from the command line."""
+    acceptance_head -> evaluate (logging to W&B, offline). Each training stage gets `trainer.max_steps` from the
+    command line. Each job's stdout and stderr are kept in `<stage>.console.txt`."""
     root = tmp_path_factory.mktemp("chain")
     runs = {
         name: root / name for name in ["sft", "distill", "adaspec", "rollout", "acceptance_head", "evaluate"]
     }
-    check_ok(run_train(
+
+    def ran(proc):
+        name = next(arg.partition("=")[2] for arg in proc.args if str(arg).startswith("stage="))
+        (root / f"{name}.console.txt").write_text(proc.stdout + proc.stderr)
+        check_ok(proc)
+
+    ran(run_train(
         ["stage=sft", *TINY, *stage_overrides("sft", STEPS["sft"]), "sft.eval_examples=2", "sft.eval_max_new_tokens=4",
          "scheduler@sft.scheduler=cosine", "sft.scheduler.warmup_fraction=0.25", "trainer.log_every_n_steps=1",
          f"hydra.run.dir={runs['sft']}"]
     ))  # fmt: skip
     target = f"models.target.pretrained_model_name_or_path={runs['sft'] / 'export'}"
-    check_ok(run_train(
+    ran(run_train(
         ["stage=distill", *TINY, target, *stage_overrides("distill", STEPS["distill"]), f"hydra.run.dir={runs['distill']}"]
     ))  # fmt: skip
-    check_ok(run_train(
+    ran(run_train(
         ["stage=adaspec", *TINY, target, *stage_overrides("adaspec", STEPS["adaspec"]),
          f"adaspec.reference={runs['distill'] / 'export'}", "adaspec.cached_scores=true",
          f"hydra.run.dir={runs['adaspec']}"]
     ))  # fmt: skip
     draft = runs["adaspec"] / "export"
-    check_ok(run_train(
+    ran(run_train(
         ["stage=rollout", *TINY, target, f"+rollout.drafts.adaspec={draft}", "rollout.num_prompts=8",
          "rollout.max_new_tokens=8", "rollout.batch_size=4", "rollout.shard_size=4", f"hydra.run.dir={runs['rollout']}"]
     ))  # fmt: skip
-    check_ok(run_train(
+    ran(run_train(
         ["stage=acceptance_head", *TINY, f"+acceptance_head.drafts.adaspec={draft}",
          f"+acceptance_head.rollouts.adaspec={runs['rollout'] / 'rollouts' / 'adaspec'}",
          *stage_overrides("acceptance_head", STEPS["acceptance_head"]), f"hydra.run.dir={runs['acceptance_head']}"]
     ))  # fmt: skip
-    check_ok(run_train(
+    ran(run_train(
         ["stage=evaluate", *TINY, target, f"+evaluate.drafts.adaspec={draft}",
          f"+evaluate.heads.adaspec={runs['acceptance_head'] / 'adaspec' / 'export'}", "evaluate.num_prompts=2",
          "evaluate.selection_prompts=2", "evaluate.max_new_tokens=6", "evaluate.fixed_lengths=[2]",
-         "evaluate.acceptance_head.thresholds=[0.5]", "evaluate.acceptance_head.min_draft_length=1",
+         "evaluate.acceptance_head.thresholds=[0.5]", "evaluate.acceptance_head.min_draft_length=1", "logger=wandb",
          f"hydra.run.dir={runs['evaluate']}"]
     ))  # fmt: skip
     return runs
@@ -76,6 +87,82 @@ def test_evaluate_reports_every_policy_and_the_acceptance_head_ratios(chain):
     names = [e["name"] for e in json.loads((chain["evaluate"] / "report.json").read_text())["entries"]]
     assert any("acceptance_head_h0.5" in n for n in names) and any(n.endswith("fixed_k2") for n in names)
     assert (chain["evaluate"] / "report.txt").is_file()
+
+
+# -- the console ----------------------------------------------------------------------------------------------------
+
+STAGES = ["sft", "distill", "adaspec", "rollout", "acceptance_head", "evaluate"]
+# messages that once crowded the console; none helps a user (docs: specdistill/utils/console.py)
+NOISE = (
+    "litlogger",  # Lightning's advertisement
+    "Loading weights",  # transformers' per-model bars
+    "LeafSpec",  # a torch deprecation notice Lightning triggers
+    "to estimate number of stepping batches",
+    "Setting accelerator to CPU",  # DeepSpeed on a machine without CUDA
+    "anonymous setting",  # W&B, for an argument Lightning passes
+    "Saving the dataset",  # a `datasets` bar per saved shard
+)
+
+
+def console(chain, stage: str) -> str:
+    text = (chain[stage].parent / f"{stage}.console.txt").read_text()
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)  # terminal colours, if the bars add any
+
+
+def said_lines(text: str) -> list[str]:
+    """Console lines without their log-time prefix; progress-bar states (tqdm's, Rich's) and blank lines left out."""
+    lines = [re.sub(r"^\[[\d-]+ [\d:,]+\]", "", line).strip() for line in re.split(r"[\r\n]", text)]
+    return [line for line in lines if line and "%|" not in line and "━" not in line]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_stage_says_each_thing_once_and_nothing_noisy(chain, stage):
+    text = console(chain, stage)
+    assert [word for word in NOISE if word in text] == []
+    repeated = [line for line, count in Counter(said_lines(text)).items() if count > 1]
+    assert repeated == []
+
+
+@pytest.mark.parametrize(
+    ("stage", "rows"),
+    [
+        ("sft", [r"val/loss\s+\d+\.\d{4}", r"export\s+{dir}/export", r"target_accuracy\s+\d\.\d{4}"]),
+        ("distill", [r"val/kl_before\s+\d+\.\d{4}", r"val/kl\s+\d+\.\d{4}", r"export\s+{dir}/export"]),
+        ("acceptance_head", [r"heads/adaspec\s+{dir}/adaspec/export", r"adaspec/val/ece\s+\d\.\d{4}"]),
+        (
+            "evaluate",
+            [r"report\s+{dir}/report.json", r"adaspec/acceptance_head_over_best_fixed_k\s+\d+\.\d{4}"],
+        ),
+    ],
+)
+def test_a_stage_ends_with_its_metrics_and_outputs(chain, stage, rows):
+    lines = said_lines(console(chain, stage))
+    end = lines.index(f"{stage} finished: {chain[stage]}")
+    block = lines[end + 1 :]
+    for row in rows:
+        pattern = row.replace("{dir}", re.escape(str(chain[stage])))
+        assert any(re.fullmatch(pattern, line) for line in block), (row, block)
+
+
+def test_the_training_bar_ends_at_the_steps_the_run_does(chain):
+    """sft: 4 steps of one micro-batch in an epoch of 6 (48 examples / 8); Lightning's own bar said 4/6."""
+    bars = [line for line in re.split(r"[\r\n]", console(chain, "sft")) if line.startswith("Epoch")]
+    assert bars and bars[-1].startswith("Epoch 0/0 ") and f" {STEPS['sft']}/{STEPS['sft']} " in bars[-1], bars
+
+
+def test_the_evaluation_run_summary_holds_the_evaluation_metrics(chain):
+    """The W&B run of `evaluate` (offline): its summary sorts a runs table by speedup, no empty table is logged, and
+    its name is short and holds no path."""
+    run = read_offline_run(next((chain["evaluate"] / "wandb").glob("offline-run-*")))
+    summary = run["summary"]
+    assert isinstance(summary["best/speedup"], float) and summary["best/name"].startswith("adaspec/")
+    for key in ("adaspec/fixed_k2/speedup", "adaspec/fixed_k2/acceptance_rate", "adaspec/fixed_k2/tokens_per_target_call",
+                "autoregressive/tokens_per_second", "adaspec/acceptance_head_over_best_fixed_k"):  # fmt: skip
+        assert isinstance(summary[key], float), key
+    logged = {key for row in run["history"] for key in row}
+    assert "report/entries/_type" in logged and "report/_type" not in logged
+    name = run["run"]["name"]
+    assert name.startswith("evaluate ") and len(name) <= 64 and "/" not in name, name
 
 
 @pytest.mark.parametrize("stage", ["sft", "distill", "adaspec"])

@@ -161,3 +161,98 @@ def test_report_and_export_are_no_ops_for_other_loggers(tmp_path: Path) -> None:
     csv = CSVLogger(str(tmp_path))
     assert log_report(csv, {"acceptance_rate": 0.5}) is False
     assert log_export(csv, tmp_path) is False
+
+
+@pytest.fixture
+def hydra_job(tmp_path: Path):
+    """Sets HydraConfig as a job of `python train.py <overrides>` would (a multirun when `sweep` is given)."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict
+
+    def job(overrides: list[str], sweep: list[str] | None = None) -> Path:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose("train", overrides=overrides, return_hydra_config=True)
+        run_dir = tmp_path / "run"
+        with open_dict(cfg):
+            cfg.hydra.runtime.output_dir = str(run_dir)
+            cfg.hydra.sweep.dir = str(tmp_path / "sweep")
+            if (
+                sweep is not None
+            ):  # what Hydra's sweeper saves: the command line's overrides, sweeps unexpanded
+                cfg.hydra.mode = "MULTIRUN"
+                (tmp_path / "sweep").mkdir()
+                OmegaConf.save(
+                    {"hydra": {"overrides": {"task": sweep}}}, tmp_path / "sweep" / "multirun.yaml"
+                )
+        HydraConfig.instance().set_config(cfg)
+        return run_dir
+
+    yield job
+    HydraConfig.instance().cfg = None
+
+
+def test_run_names_are_the_stage_and_the_overrides_without_paths(hydra_job) -> None:
+    from specdistill.utils.wandb_logger import RUN_NAME_LENGTH, run_name
+
+    run_dir = hydra_job(
+        ["stage=adaspec", "adaspec.k=0.4", "adaspec.reference=/data/runs/distill/export", "seed=1",
+         "models.target.config.hidden_size=32", "models.draft.config.hidden_size=16"]
+    )  # fmt: skip
+    assert run_name(run_dir) == "adaspec k=0.4 seed=1 target.hidden_size=32 draft.hidden_size=16"
+    # a logger in a sub-folder (a pipeline's step, an acceptance head's draft) names it
+    assert run_name(run_dir / "adaspec_run").startswith("adaspec/adaspec_run k=0.4 seed=1 ")
+    run_dir = hydra_job(["seed=1", "task.sizes.train=4800"])
+    assert (
+        run_name(run_dir / "acceptance_head" / "adaspec")
+        == "pipeline/acceptance_head/adaspec seed=1 train=4800"
+    )
+    run_dir = hydra_job(["stage=sft", *(f"task.sizes.{s}={n}" for s, n in [("train", 4800), ("test", 800)]),
+                         "scheduler@sft.scheduler=cosine", "sft.optimizer.lr=1e-4", "sft.batch_size=16",
+                         "sft.eval_examples=20"])  # fmt: skip
+    name = run_name(run_dir)
+    assert len(name) == RUN_NAME_LENGTH and name.endswith("…")
+    assert name.startswith("sft train=4800 test=800 scheduler=cosine lr=1e-4 batch_size=16 ")
+
+
+def test_a_sweep_job_is_named_after_the_keys_the_sweep_varies(hydra_job) -> None:
+    from specdistill.utils.wandb_logger import run_name
+
+    common = ["stage=sft", "task.sizes.train=48", "models.target.pretrained_model_name_or_path=/x/sft/export"]
+    run_dir = hydra_job([*common, "sft.optimizer.lr=0.001", "seed=2"],
+                        sweep=[*common, "sft.optimizer.lr=1e-4,1e-3", "seed=range(3)"])  # fmt: skip
+    assert run_name(run_dir) == "sft lr=0.001 seed=2"
+
+
+def test_a_report_of_tables_only_logs_no_empty_table_and_fills_the_summary(
+    no_account, tmp_path: Path
+) -> None:
+    from specdistill.evaluation.report import summary_metrics
+    from specdistill.utils.wandb_logger import log_summary
+
+    report = {
+        "settings": {"task_metric_name": "accuracy"},
+        "entries": [
+            {"name": "autoregressive", "draft": None, "policy": None, "task_metric": 0.5,
+             "metrics": {"acceptance_rate": None, "tokens_per_second": 100.0, "speedup": 1.0}},
+            {"name": "d/fixed_k4", "draft": "d", "policy": "fixed_k4", "task_metric": 0.5,
+             "metrics": {"acceptance_rate": 0.7, "tokens_per_second": 150.0, "speedup": 1.5}},
+            {"name": "d/oracle", "draft": "d", "policy": "oracle", "task_metric": None,
+             "metrics": {"acceptance_rate": 0.9, "tokens_per_second": 180.0, "speedup": 1.8}},
+        ],
+    }  # fmt: skip
+    logger = wandb_logger_from_preset(tmp_path / "run")
+    assert log_report(logger, {"entries": [{"name": "d/fixed_k4", "speedup": 1.5}]})
+    assert log_summary(logger, summary_metrics(report, {"d/acceptance_head_over_oracle": 0.9}))
+    logger.experiment.finish()
+
+    run = read_finished_run(offline_run_dir(tmp_path / "run"))
+    logged = {key for row in run["history"] for key in row}
+    assert "report/entries/_type" in logged and not any(key.startswith("report/_") for key in logged)
+    summary = run["summary"]
+    assert summary["best/speedup"] == 1.8 and summary["best/name"] == "d/oracle"
+    assert summary["d/fixed_k4/tokens_per_second"] == 150.0 and summary["d/fixed_k4/accuracy"] == 0.5
+    assert (
+        summary["autoregressive/tokens_per_second"] == 100.0
+        and "autoregressive/acceptance_rate" not in summary
+    )
+    assert summary["d/acceptance_head_over_oracle"] == 0.9

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from matplotlib import colormaps
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -138,48 +139,107 @@ def format_table(report: Report | dict[str, Any]) -> str:
     return "\n".join([line(header), rule, *(line(r) for r in rows)])
 
 
+def summary_metrics(
+    report: Report | dict[str, Any], ratios: dict[str, float] | None = None
+) -> dict[str, float | str]:
+    """The report as flat scalars for a tracker's run summary (W&B), so a runs table can sort by any of them.
+
+    `<entry>/<metric>` for each entry's defined metrics (`adaspec/fixed_k4/speedup`) and task metric, the `ratios`,
+    and `best/<metric>` with `best/name`: the speculative entry with the highest `speedup`.
+    """
+    data = _as_dict(report)
+    metric_label = data.get("settings", {}).get("task_metric_name") or "task_metric"
+    out: dict[str, float | str] = {}
+    for e in data["entries"]:
+        values = {**e["metrics"], metric_label: e.get("task_metric")}
+        out.update({f"{e['name']}/{name}": value for name, value in values.items() if value is not None})
+    out.update(ratios or {})
+    ranked = [
+        e for e in data["entries"] if e["draft"] is not None and e["metrics"].get("speedup") is not None
+    ]
+    if ranked:
+        best = max(ranked, key=lambda e: e["metrics"]["speedup"])
+        out["best/name"] = best["name"]
+        out.update({f"best/{k}": v for k, v in best["metrics"].items() if v is not None})
+    return out
+
+
 def _speculative_entries(data: dict[str, Any]) -> list[dict[str, Any]]:
     return [e for e in data["entries"] if e["counters"]["rounds"] > 0]
 
 
-def _plot_per_entry(
+def series_styles(n: int) -> list[dict[str, Any]]:
+    """`n` line styles whose colours all differ: tab10 up to 10 series; up to 20, tab20's ten dark hues (solid)
+    then its ten light ones (dashed); beyond, evenly spaced hues of a continuous map with four dash patterns in turn,
+    so neighbouring hues stay apart."""
+    if n <= 10:
+        return [{"color": colormaps["tab10"](i), "linestyle": "-"} for i in range(n)]
+    if n <= 20:
+        return [{"color": colormaps["tab20"](2 * (i % 10) + i // 10), "linestyle": "--" if i >= 10 else "-"}
+                for i in range(n)]  # fmt: skip
+    dashes = ["-", "--", "-.", ":"]
+    return [
+        {"color": colormaps["turbo"](0.05 + 0.9 * i / (n - 1)), "linestyle": dashes[i % 4]} for i in range(n)
+    ]
+
+
+def plot_title(what: str, data: dict[str, Any]) -> str:
+    """`what`, then the task, the split and the number of prompts the report covers (those it records)."""
+    settings = data.get("settings", {})
+    about = [
+        settings.get("task"),
+        f"{settings['split']} split" if settings.get("split") else None,
+        f"{settings['num_prompts']} prompts" if settings.get("num_prompts") is not None else None,
+    ]
+    return ": ".join([what, ", ".join(a for a in about if a)]) if any(about) else what
+
+
+def figure_per_entry(
     report: Report | dict[str, Any],
-    path: str | Path,
-    draw: Callable[[Axes, dict[str, Any]], None],
+    what: str,
+    draw: Callable[[Axes, dict[str, Any], dict[str, Any]], None],
     xlabel: str,
     ylabel: str,
     ylim: tuple[float, float] | None = None,
-) -> Path:
-    """One PNG (Agg backend) with `draw(ax, entry)` called for each speculative entry; integer x ticks, legend."""
-    fig = Figure(figsize=(7, 4.5))
+) -> Figure:
+    """One figure (Agg canvas, no pyplot state) with `draw(ax, entry, style)` called per speculative entry, each
+    entry with its own colour (`series_styles`); the legend sits right of the axes, never over the data."""
+    data = _as_dict(report)
+    entries = _speculative_entries(data)
+    fig = Figure(figsize=(9, 4.5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    for e in _speculative_entries(_as_dict(report)):
-        draw(ax, e)
+    for e, style in zip(entries, series_styles(len(entries)), strict=True):
+        draw(ax, e, style)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
+    ax.set_title(plot_title(what, data), fontsize=10)
     if ylim is not None:
         ax.set_ylim(*ylim)
     ax.grid(alpha=0.3)
     if ax.lines:
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
+
+
+def _save(fig: Figure, path: str | Path) -> Path:
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # tight: the legend outside the axes stays in the image
     return Path(path)
 
 
-def plot_acceptance_by_position(report: Report | dict[str, Any], path: str | Path) -> Path:
-    """Conditional acceptance at each candidate position, one line per speculative entry (PNG, Agg backend)."""
+def acceptance_by_position_figure(report: Report | dict[str, Any]) -> Figure:
+    """Conditional acceptance at each candidate position, one line per speculative entry."""
 
-    def draw(ax: Axes, e: dict[str, Any]) -> None:
+    def draw(ax: Axes, e: dict[str, Any], style: dict[str, Any]) -> None:
         values = e["counters"]["acceptance_by_position"]
         xs = [i + 1 for i, v in enumerate(values) if v is not None]
-        ax.plot(xs, [v for v in values if v is not None], marker="o", label=e["name"])
+        ax.plot(xs, [v for v in values if v is not None], marker="o", label=e["name"], **style)
 
-    return _plot_per_entry(
+    return figure_per_entry(
         report,
-        path,
+        "acceptance by position",
         draw,
         "candidate position in round",
         "acceptance (given all earlier accepted)",
@@ -187,12 +247,24 @@ def plot_acceptance_by_position(report: Report | dict[str, Any], path: str | Pat
     )
 
 
-def plot_draft_length_hist(report: Report | dict[str, Any], path: str | Path) -> Path:
-    """Fraction of rounds with each number of drafted candidates, one step line per speculative entry (PNG)."""
+def draft_length_hist_figure(report: Report | dict[str, Any]) -> Figure:
+    """Fraction of rounds with each number of drafted candidates, one step line per speculative entry."""
 
-    def draw(ax: Axes, e: dict[str, Any]) -> None:
+    def draw(ax: Axes, e: dict[str, Any], style: dict[str, Any]) -> None:
         hist = e["counters"]["draft_length_hist"]
         total = sum(hist)
-        ax.step(range(len(hist)), [h / total for h in hist], where="mid", label=e["name"])
+        ax.step(range(len(hist)), [h / total for h in hist], where="mid", label=e["name"], **style)
 
-    return _plot_per_entry(report, path, draw, "candidates drafted in a round", "fraction of rounds")
+    return figure_per_entry(
+        report, "draft lengths", draw, "candidates drafted in a round", "fraction of rounds"
+    )
+
+
+def plot_acceptance_by_position(report: Report | dict[str, Any], path: str | Path) -> Path:
+    """`acceptance_by_position_figure` as a PNG."""
+    return _save(acceptance_by_position_figure(report), path)
+
+
+def plot_draft_length_hist(report: Report | dict[str, Any], path: str | Path) -> Path:
+    """`draft_length_hist_figure` as a PNG."""
+    return _save(draft_length_hist_figure(report), path)

@@ -135,6 +135,7 @@ def _interleave(
     device: torch.device,
     tokenizer,
     score_fn: ScoreFn | None,
+    split: str | None = None,
 ) -> None:
     """Warm every configuration up, then decode prompt by prompt, every configuration once per prompt and pass."""
 
@@ -151,7 +152,9 @@ def _interleave(
             config.generate(list(prompts[i % len(prompts)]["prompt_ids"]), generator(seed - 1 - i))
     steps = [(r, i) for r in range(repeats) for i in range(len(prompts))]
     # the bar ticks between generations; each generation times itself, so it costs no measured time
-    bar = tqdm(steps, desc=f"evaluate {len(configs)} configurations", unit="prompt", leave=False)
+    label = f"{split} split" if split else "evaluate"  # the selection split's passes, then the test split's
+    plural = "s" if len(configs) != 1 else ""
+    bar = tqdm(steps, desc=f"{label}: {len(configs)} configuration{plural}", unit="prompt", leave=False)
     for step, (r, i) in enumerate(bar):
         prompt = prompts[i]
         # every configuration decodes this prompt within moments of the others, first in turn: machine drift (other
@@ -253,7 +256,7 @@ def evaluate_policies(
             return decoder.generate(ids, max_new_tokens, gen)
 
         configs.append(_Config(f"{draft_name}/{policy_name}", draft_name, policy_name, spec))
-    _interleave(configs, prompts, seed, warmup, repeats, device, tokenizer, score_fn)
+    _interleave(configs, prompts, seed, warmup, repeats, device, tokenizer, score_fn, split)
     entries = [config.entry(keep_outputs) for config in configs]
     settings = {
         "num_prompts": len(prompts),

@@ -8,9 +8,13 @@ reported for predicting *rejection* (the event that stops drafting), i.e. with s
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def _check(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,7 +147,18 @@ def expected_calibration_error(
 def write_reliability_diagram(
     logits: torch.Tensor, labels: torch.Tensor, path: str | Path, num_bins: int = 10, title: str | None = None
 ) -> Path:
-    """Save a reliability diagram (mean label against mean prediction per bin, with counts) as a PNG."""
+    """Save `reliability_figure` as a PNG."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    reliability_figure(logits, labels, num_bins, title).savefig(path, dpi=100)
+    return path
+
+
+def reliability_figure(
+    logits: torch.Tensor, labels: torch.Tensor, num_bins: int = 10, title: str | None = None
+) -> Figure:
+    """A reliability diagram (mean label against mean prediction per bin, with counts); its title, `title` or
+    "acceptance head reliability", always ends with the ECE."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -167,12 +182,9 @@ def write_reliability_diagram(
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
     ax.legend(loc="upper left", fontsize=8)
-    ax.set_title(title or f"acceptance head reliability (ECE {ece:.3f})", fontsize=10)
+    ax.set_title(f"{title or 'acceptance head reliability'} (ECE {ece:.3f})", fontsize=10)
     ax_count.bar(centers, count, width=1.0 / num_bins, color="C1", edgecolor="black")
     ax_count.set_xlabel("predicted acceptance probability")
     ax_count.set_ylabel("positions")
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    return path
+    return fig

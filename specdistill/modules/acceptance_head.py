@@ -91,6 +91,7 @@ class AcceptanceHeadModule(LightningModule):
         self.w_rej = w_rej
         self.cache_hidden_states = cache_hidden_states
         self.reliability_bins = reliability_bins
+        self._said_auroc_undefined = False
         self.sampling = sampling or SamplingConfig(greedy=True)
         self._val_logits: list[torch.Tensor] = []
         self._val_labels: list[torch.Tensor] = []
@@ -169,7 +170,8 @@ class AcceptanceHeadModule(LightningModule):
         rejected, accepted = float((1 - labels).sum()), float(labels.sum())
         if rejected > 0 and accepted > 0:
             self.log("val/auroc_rejection", auroc_rejection(logits, labels))
-        else:
+        elif not self._said_auroc_undefined:  # the same validation split every time: say it once
+            self._said_auroc_undefined = True
             log.warning(
                 "val/auroc_rejection not logged: the validation labels are all accepted or all rejected."
             )

@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf, open_dict
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from specdistill.callbacks.progress import training_progress_bar
 from specdistill.data.datamodule import TaskDataModule
 from specdistill.export.hf import export_pretrained
 from specdistill.models import ModelSpec, check_model_covers_vocab, check_same_tokenizer, freeze, load_model
@@ -28,7 +29,7 @@ from specdistill.models.precision import MasterWeightsCheck, check_training_prec
 from specdistill.models.tokenizer import ensure_pad_token, load_tokenizer
 from specdistill.utils.batching import BatchPlan, batch_plan, world_size
 from specdistill.utils.cluster import RunFingerprint, scaleout_callbacks
-from specdistill.utils.run_dir import check_checkpoint
+from specdistill.utils.run_dir import check_checkpoint, is_rank_zero
 from specdistill.utils.strategy import check_devices, full_weights
 from specdistill.utils.wandb_logger import log_export
 
@@ -241,6 +242,8 @@ def build_trainer(
     if select_best:
         best = [ModelCheckpoint(dirpath=out_dir / "checkpoints", filename="best", monitor=select_best, mode="max",
                                 save_top_k=1)]  # fmt: skip
+    # the training bar ends where the run stops (max_steps, accumulation, limit_train_batches, epochs)
+    progress = [training_progress_bar()] if trainer_cfg.get("enable_progress_bar", True) else []
     return instantiate(
         trainer_cfg,
         default_root_dir=str(out_dir),
@@ -248,6 +251,7 @@ def build_trainer(
         callbacks=[
             checkpoint,
             *best,
+            *progress,
             *lr_monitor,
             *scaleout,
             MasterWeightsCheck(pure_bf16),
@@ -322,8 +326,33 @@ def logged_metrics(trainer: L.Trainer, names: list[str]) -> dict[str, float]:
 
 
 def write_result(out_dir: Path, result: dict[str, Any]) -> dict[str, Any]:
+    """Write `result.json` and end the stage on the console with `format_result` (rank 0)."""
     (out_dir / "result.json").write_text(json.dumps(result, indent=2, default=str))
+    if is_rank_zero():
+        print(format_result(out_dir, result), flush=True)
     return result
+
+
+def format_result(out_dir: Path, result: dict[str, Any]) -> str:
+    """A stage's last console block: its folder, then one `name  value` line per metric and output path.
+
+    Numbers print with 4 decimals, a mapping (e.g. `heads: {draft: path}`) one line per entry (`heads/draft`);
+    multi-line text (evaluate's table, printed already) and the stage name (the header) are left out.
+    """
+    rows = []
+    for key, value in result.items():
+        items = value.items() if isinstance(value, dict) else [(None, value)]
+        for sub, item in items:
+            name = f"{key}/{sub}" if sub is not None else key
+            if isinstance(item, float):
+                rows.append((name, f"{item:.4f}"))
+            elif isinstance(item, int | str) and not isinstance(item, bool) and "\n" not in str(item):
+                rows.append((name, str(item)))
+    rows = [(name, text) for name, text in rows if name != "stage"]
+    width = max((len(name) for name, _ in rows), default=0)
+    return "\n".join(
+        [f"{result.get('stage', 'stage')} finished: {out_dir}", *(f"  {n:<{width}}  {t}" for n, t in rows)]
+    )
 
 
 def seed_everything(cfg: DictConfig) -> None:

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, ListConfig
 
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.evaluation.protocol import evaluate_drafts
+from specdistill.evaluation.report import summary_metrics
 from specdistill.models.acceptance_head import AcceptanceHead
 from specdistill.stages.build import (
     build_datamodule,
@@ -24,7 +25,7 @@ from specdistill.stages.build import (
     stage_logger,
     write_result,
 )
-from specdistill.utils.wandb_logger import log_report
+from specdistill.utils.wandb_logger import log_report, log_summary
 
 
 def run(cfg: DictConfig, out_dir: Path) -> dict:
@@ -69,12 +70,16 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         task_metric_name=task.metric_name,
         acceptance_draft_length=settings.get("acceptance_draft_length"),
     )
+    result.report.settings["task"] = cfg.task.name  # the plots' titles name it
     result.report.save(out_dir)
     rows = [
         {"name": e["name"], **e["metrics"], "task_metric": e["task_metric"]}
         for e in result.report.to_dict()["entries"]
     ]
-    log_report(stage_logger(cfg, out_dir), {"entries": rows}, images=sorted(out_dir.glob("*.png")))
+    logger = stage_logger(cfg, out_dir)
+    log_report(logger, {"entries": rows}, images=sorted(out_dir.glob("*.png")))
+    # the run's summary (a runs table's columns): every entry's metrics, the ratios and the best entry's
+    log_summary(logger, summary_metrics(result.report, result.ratios))
     (out_dir / "report.txt").write_text(result.table + "\n")
     print(result.table)
     return write_result(

@@ -144,7 +144,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         results[name] = result
         wire_outputs(cfg, name, step, result)
     table = summary_table(results)
-    print(table)
+    print(f"pipeline finished: {out_dir}\n{table}")
     (out_dir / "summary.txt").write_text(table + "\n")
     (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
     return results

@@ -1,4 +1,5 @@
-"""Weights & Biases tracking that works without an account, names runs after Hydra overrides, groups sweeps.
+"""Weights & Biases tracking that works without an account, names runs short (stage + what a sweep varies), groups
+sweeps.
 
 `conf/logger/wandb.yaml` builds the logger with `wandb_logger`. Without an API key (no `WANDB_API_KEY`, no netrc
 entry) the run is written offline under `<run_dir>/wandb/` and the log says how to `wandb sync` it later. Helpers:
@@ -32,11 +33,15 @@ RUN_ID_FILE = "wandb_run_id.txt"
 
 
 class SpecDistillWandbLogger(WandbLogger):
-    """Lightning's `WandbLogger` plus whether stage exports go up as model artifacts (`log_export`)."""
+    """Lightning's `WandbLogger` plus whether stage exports go up as model artifacts (`log_export`), without its
+    `anonymous` argument."""
 
     def __init__(self, *args: Any, log_exports: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.log_exports = log_exports
+        # Lightning passes `anonymous=None` to wandb.init, where any value prints a deprecation warning
+        if self._wandb_init.get("anonymous") is None:
+            self._wandb_init.pop("anonymous", None)
 
 
 def has_api_key() -> bool:
@@ -71,18 +76,96 @@ def sweep_group(save_dir: str | Path | None = None) -> str | None:
     return None
 
 
-def run_name(save_dir: str | Path) -> str:
-    """The Hydra overrides of this job (`hydra.job.override_dirname`), else the run directory's name.
+RUN_NAME_LENGTH = 64
 
-    A pipeline stage writing into `<run_dir>/<stage>` gets `:<stage>` appended.
+
+def run_name(save_dir: str | Path) -> str:
+    """A short run name: the stage and the sub-folder the logger writes to, then the overrides that tell this job
+    apart, paths left out.
+
+    The first word is `<stage>` for a stage's own folder, else `<stage>/<sub-folder>` (`pipeline/distill`,
+    `acceptance_head/adaspec`: a head per draft). In a multirun the overrides are the keys the sweep varies (read
+    from `<sweep dir>/multirun.yaml`, which Hydra writes), otherwise every command-line override but `stage`; each key
+    is cut to the shortest name that stays unique (`sft.optimizer.lr=1e-4` -> `lr=1e-4`), values that look like paths
+    or hub ids are dropped, and the name is cut to `RUN_NAME_LENGTH` characters, e.g. `adaspec k=0.4 seed=1`.
+    Outside Hydra: the run directory's name.
     """
     hc = _hydra()
-    run_dir = Path(hc.runtime.output_dir) if hc is not None else Path(save_dir)
-    name = (hc.job.override_dirname if hc is not None else "") or run_dir.name
     save_dir = Path(save_dir)
-    if save_dir.resolve() != run_dir.resolve():
-        name = f"{name}:{save_dir.name}"
-    return name
+    if hc is None:
+        return save_dir.name
+    run_dir = Path(hc.runtime.output_dir)
+    try:
+        below = save_dir.resolve().relative_to(run_dir.resolve()).parts
+    except ValueError:  # a logger writing outside the run folder
+        below = (save_dir.name,)
+    stage = "/".join([hc.runtime.choices.get("stage") or run_dir.name, *below])
+    multirun = str(hc.mode) == "RunMode.MULTIRUN"
+    overrides = _named_overrides(
+        list(hc.overrides.task), _swept_keys(Path(hc.sweep.dir)) if multirun else None
+    )
+    name = " ".join([stage, *overrides])
+    return name if len(name) <= RUN_NAME_LENGTH else name[: RUN_NAME_LENGTH - 1] + "…"
+
+
+def _swept_keys(sweep_dir: Path) -> set[str] | None:
+    """The keys a Hydra sweep varies (`key=a,b`, `range(...)`, `hydra.sweeper.params`), or None if unknown."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    path = sweep_dir / "multirun.yaml"
+    if not path.is_file():
+        return None
+    hydra_cfg = OmegaConf.load(path).hydra
+    params = hydra_cfg.get("sweeper", {}).get("params") or {}
+    lines = [*hydra_cfg.overrides.task, *(f"{key}={value}" for key, value in params.items())]
+    swept = {
+        _override_key(o) for o in OverridesParser.create().parse_overrides(lines) if o.is_sweep_override()
+    }
+    return swept or None
+
+
+def _override_key(override: Any) -> str:
+    """`sft.optimizer.lr` for `sft.optimizer.lr=...`; the package for `scheduler@sft.scheduler=cosine`."""
+    return override.package or override.key_or_group
+
+
+def _named_overrides(lines: list[str], keep: set[str] | None) -> list[str]:
+    """`key=value` of each override in `lines` (all but `stage`, or only the keys in `keep`), keys shortened."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    pairs = []
+    for override in OverridesParser.create().parse_overrides(lines):
+        key = _override_key(override)
+        value = override.input_line.partition("=")[2]
+        if (
+            override.is_delete()
+            or key == "stage"
+            or (keep is not None and key not in keep)
+            or _is_path(value)
+        ):
+            continue
+        pairs.append((key, value))
+    keys = [key for key, _ in pairs]
+    return [f"{_short_key(key, keys)}={value}" for key, value in pairs]
+
+
+def _is_path(value: str) -> bool:
+    return "/" in value or "\\" in value or value.startswith("~")
+
+
+def _short_key(key: str, keys: list[str]) -> str:
+    """The shortest name of `key` no other key in `keys` can take: its last part, else that part behind one earlier
+    part (`models.target.config.hidden_size` beside `models.draft.config.hidden_size`: `target.hidden_size`)."""
+    others = [_key_names(other) for other in keys if other != key]
+    for name in _key_names(key):
+        if not any(name in names for names in others):
+            return name
+    return key
+
+
+def _key_names(key: str) -> list[str]:
+    *parents, last = key.split(".")
+    return [last, *(f"{parent}.{last}" for parent in reversed(parents)), key]
 
 
 def job_config() -> dict[str, Any] | None:
@@ -134,7 +217,7 @@ def wandb_logger(
         project, entity: W&B project and team/user (None: the account's default entity).
         group: None groups a Hydra multirun under its sweep directory's name (a pipeline's stages under its run
             directory's name).
-        name: None names the run after the Hydra overrides (`hydra.job.override_dirname`).
+        name: None names the run after its stage and the overrides that tell it apart (`run_name`).
         tags: run tags.
         log_model: upload the stage's Hugging Face export as a model artifact (`log_export`); checkpoints never.
         offline: True/False forces the mode; None runs offline when there is no API key (or `WANDB_MODE=offline`).
@@ -238,9 +321,11 @@ def log_report(
             raise FileNotFoundError(f"log_report: image {path} does not exist")
     for item in targets:
         run = item.experiment
-        payload: dict[str, Any] = {
-            key: wandb.Table(columns=["metric", "value"], data=[[k, str(v)] for k, v in scalars.items()])
-        }
+        payload: dict[str, Any] = {}
+        if scalars:  # W&B shows an empty table as a broken panel: none is logged
+            payload[key] = wandb.Table(
+                columns=["metric", "value"], data=[[k, str(v)] for k, v in scalars.items()]
+            )
         for name, rows in tables.items():
             columns = list(dict.fromkeys(c for row in rows for c in row))
             payload[f"{key}/{name}"] = wandb.Table(
@@ -248,15 +333,24 @@ def log_report(
             )
         for path in pngs:
             payload[f"{key}/{path.stem}"] = wandb.Image(str(path))
-        run.log(payload)
-        run.summary.update(
-            {
-                f"{key}/{k}": v
-                for k, v in scalars.items()
-                if isinstance(v, int | float) and not isinstance(v, bool)
-            }
-        )
+        if payload:
+            run.log(payload)
+    log_summary(logger, {f"{key}/{k}": v for k, v in scalars.items() if not str(v).endswith(".png")})
     return True
+
+
+@rank_zero_only
+def log_summary(logger: Any, metrics: Mapping[str, Any]) -> bool:
+    """Write numbers and strings (`{"best/speedup": 1.2, "best/name": "adaspec/fixed_k4"}`) into the W&B run's
+    summary, the columns of a runs table; other values and other loggers are ignored. True when something was
+    written."""
+    values = {
+        k: v for k, v in metrics.items() if isinstance(v, int | float | str) and not isinstance(v, bool)
+    }
+    targets = _wandb_loggers(logger)
+    for item in targets:
+        item.experiment.summary.update(values)
+    return bool(targets and values)
 
 
 # -- reading offline runs -------------------------------------------------------------------------------------------
