@@ -125,7 +125,12 @@ def worker(stage: str, mode: str, vocab: int, args: argparse.Namespace, tmp: str
     seconds = time.perf_counter() - start
     _, peak = memory()
     tokens = sum(int(b["window_answer_tokens"]) for b in batches)
+    tail = None
+    if mode == "cached":
+        rows = [target_or_cache.rows(b, answer_mask(b["labels"]), "train") for b in batches]
+        tail = float(torch.cat([r.tail_mass for r in rows]).mean())
     return {
+        "tail_mass": tail,
         "first_loss": losses[0],
         "peak_bytes": peak - before,
         "tokens_per_s": tokens / seconds,

@@ -64,6 +64,8 @@ def check_stage_settings(cfg: DictConfig, stage: str) -> None:
             )
     if "num_nodes" in settings:  # a stage that starts its own processes (rollout)
         check_ranks(cfg, stage)
+    if "backend" in settings:
+        check_rollout_backend(cfg, stage)
     if "trainer" in settings and "trainer" in cfg:
         from specdistill.stages.build import trainer_config
 
@@ -100,6 +102,31 @@ def check_ranks(cfg: DictConfig, stage: str) -> None:
             f"{settings.devices} processes per node would each load it there: run one process per node "
             f"({stage}.devices=1, {stage}.num_nodes=<nodes>), or drop the device_map and give each GPU its own "
             "process when the target fits one GPU."
+        )
+
+
+ROLLOUT_BACKENDS = ("hf", "vllm")
+
+
+def check_rollout_backend(cfg: DictConfig, stage: str) -> None:
+    """`hf` (our sampling loop) or `vllm`, which loads a target from disk or the hub and parallelises it itself."""
+    backend = cfg[stage].backend
+    if backend not in ROLLOUT_BACKENDS:
+        raise ConfigError(
+            f"{stage}.backend={backend!r} is not one of {', '.join(ROLLOUT_BACKENDS)}, e.g. {stage}.backend=hf."
+        )
+    if backend != "vllm":
+        return
+    alone = str(cfg.stage.name) == stage  # in a pipeline an earlier step (sft) may export the target it loads
+    if alone and not OmegaConf.select(cfg, "models.target.pretrained_model_name_or_path"):
+        raise ConfigError(
+            f"{stage}.backend=vllm loads the target by hub id or directory, but models.target is built from a config "
+            "(random weights): set models.target.pretrained_model_name_or_path, or use rollout.backend=hf."
+        )
+    if cfg[stage].devices * cfg[stage].num_nodes != 1:
+        raise ConfigError(
+            f"{stage}.backend=vllm runs one process that spreads the target over the node's GPUs itself "
+            f"({stage}.vllm.tensor_parallel_size): set {stage}.devices=1 and {stage}.num_nodes=1."
         )
 
 

@@ -11,6 +11,7 @@ import torch
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.rollout.generate import sample_responses
 from specdistill.rollout.vllm_backend import generate_with_vllm, response_tokens, sampling_params
+from tests.test_rollout import tiny_lm
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -61,3 +62,72 @@ def test_greedy_vllm_responses_equal_our_loop(tmp_path):
         engine={"dtype": "float32", "skip_tokenizer_init": True, "gpu_memory_utilization": 0.3},
     )  # fmt: skip
     assert theirs == ours
+
+
+# --- wiring: given responses, settings, the stage --------------------------------------------------------------
+
+
+def test_given_responses_are_labelled_exactly_as_reused_ones(tmp_path):
+    """`run_rollouts(responses=...)` (what the vLLM backend hands over) labels those responses with the teacher-forced
+    passes: the same dataset as reusing them from a finished rollout; a resume with other responses is refused."""
+    from specdistill.rollout import load_rollouts
+    from tests.test_rollout import PROMPTS, _run
+
+    pair = tiny_lm(0, hidden=32), tiny_lm(1, hidden=16)
+    sampled = _run(pair, tmp_path / "sampled")
+    responses = [list(r) for r in sampled["response_ids"]]
+    given = _run(pair, tmp_path / "given", responses=responses)
+    reused = load_rollouts(tmp_path / "sampled")
+    assert given["response_ids"] == reused["response_ids"] and given["draft_tokens"] == reused["draft_tokens"]
+    for row, expected in zip(
+        given["labels"], reused["labels"], strict=True
+    ):  # teacher-forced vs generation logits
+        assert row == pytest.approx(expected, abs=1e-5)
+    other = [r[:1] for r in responses]
+    with pytest.raises(ValueError, match="responses"):
+        _run(pair, tmp_path / "given", responses=other)
+    with pytest.raises(ValueError, match="one per prompt"):
+        _run(pair, tmp_path / "short", responses=responses[: len(PROMPTS) - 1])
+
+
+def _rollout_config(*overrides: str):
+    from tests.test_rollout_ranks import _rollout_config as compose_rollout
+
+    return compose_rollout(*overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["rollout.backend=sglang"], r"rollout.backend='sglang' is not one of hf, vllm"),
+        (["rollout.backend=vllm"], r"loads the target by hub id or directory.*models.target.pretrained"),
+        (
+            [
+                "rollout.backend=vllm",
+                "++models.target.pretrained_model_name_or_path=some/model",
+                "rollout.devices=2",
+            ],
+            r"rollout.devices=1 and rollout.num_nodes=1",
+        ),
+    ],
+)
+def test_backend_settings_are_checked_before_anything_runs(overrides, message):
+    from specdistill.errors import ConfigError
+    from specdistill.validation import check_rollout_backend
+
+    with pytest.raises(ConfigError, match=message):
+        check_rollout_backend(_rollout_config(*overrides), "rollout")
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="checks the message shown when vLLM is missing")
+def test_the_stage_asks_vllm_for_the_responses_before_loading_models(tmp_path):
+    """`rollout.backend=vllm` on a saved pair: the stage builds the prompts and calls vLLM first (here missing)."""
+    from specdistill.stages import rollout as rollout_stage
+    from tests.test_local_models import SMALL_TASK, save_pair
+
+    target, draft = save_pair(tmp_path)
+    cfg = _rollout_config("models=local", f"models.target_path={target}", f"models.draft_path={draft}", *SMALL_TASK,
+                          "rollout.num_prompts=4", "rollout.backend=vllm")  # fmt: skip
+    with pytest.raises(ImportError, match=r"specdistill\[vllm\]"):
+        rollout_stage.run(cfg, tmp_path / "run")
+    assert not (tmp_path / "run" / "rollouts" / "draft").exists()  # nothing labelled without responses

@@ -81,6 +81,7 @@ def run_rollouts(
     on_shard_done: Callable[[int], None] | None = None,
     responses_from: str | Path | None = None,
     ranks: Ranks | None = None,
+    responses: Sequence[Sequence[int]] | None = None,
 ) -> datasets.Dataset:
     """Label every prompt's rollout for acceptance-head training and store the result in `out_dir`.
 
@@ -109,6 +110,10 @@ def run_rollouts(
         ranks: the processes sharing this call (`specdistill.rollout.ranks.Ranks`; default one): every rank makes
             the same call, rolls out only its shards (`rank_shards`) and, after a barrier, loads the whole dataset.
             The result is the same for any number of ranks.
+        responses: the target's responses to `prompts`, generated elsewhere (e.g. by vLLM,
+            `specdistill.rollout.vllm_backend`): only the labelling passes run, the target's probabilities coming
+            from a teacher-forced pass, so the labels are exact for these responses. Recorded by their sha256: a
+            resumed run must be given the same ones.
 
     Returns:
         The whole rollout dataset (`load_rollouts(out_dir)`), on every rank.
@@ -122,6 +127,14 @@ def run_rollouts(
             raise ValueError(f"{name}={value} must be >= 1.")
     if len(prompts) == 0:
         raise ValueError("no prompts to roll out.")
+    if responses is not None and responses_from is not None:
+        raise ValueError(
+            "give the responses (responses=...) or a rollout to reuse them from (responses_from=...), not both"
+        )
+    if responses is not None and len(responses) != len(prompts):
+        raise ValueError(
+            f"{len(responses)} responses were given for {len(prompts)} prompts: one per prompt is needed"
+        )
     eos_token_id, pad_token_id = _special_ids(target, eos_token_id, pad_token_id)
     label_sampling = labelling_config(sampling, label_temperature_one)
     settings = {
@@ -138,9 +151,13 @@ def run_rollouts(
         "label_temperature_one": label_temperature_one,
         "eos_token_id": eos_token_id,
         "pad_token_id": pad_token_id,
+        # how the responses were made: "sampled" here (per-prompt seeds), or the sha256 of the ones given
+        "responses": "sampled" if responses is None else _fingerprint(responses),
     }
     ranks = ranks or Ranks()
     reused = _reusable_responses(responses_from, settings) if responses_from is not None else None
+    if responses is not None:
+        reused = [list(r) for r in responses]
     finished = set(prepare_out_dir(out_dir, settings, write=ranks.is_main))
     ranks.barrier()  # the directory exists, leftovers are gone, before any rank writes a shard
     total_shards = num_shards(len(prompts), shard_size)
@@ -236,7 +253,7 @@ def _roll_out_shard(
 # settings that decide the target responses (the labels also depend on the draft and the labelling warping)
 _RESPONSE_SETTINGS = (
     "num_prompts", "prompts_sha256", "shard_size", "seed", "max_new_tokens", "vocab_size", "sampling",
-    "eos_token_id", "pad_token_id",
+    "eos_token_id", "pad_token_id", "responses",
 )  # fmt: skip
 
 

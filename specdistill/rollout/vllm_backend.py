@@ -79,7 +79,8 @@ def generate_with_vllm(
         sampling, max_new_tokens: as for `sample_responses`.
         eos_ids: the tokenizer's EOS id(s).
         seeds: one seed per prompt.
-        work_dir: where the request and the responses are written (`vllm_request.json`, `vllm_responses.json`).
+        work_dir: where the request and the responses are written (`vllm_request.json`, `vllm_responses.json`); the
+            responses already there are returned when they answer the same request (a re-launched run).
         engine: keyword arguments of `vllm.LLM` (e.g. tensor_parallel_size, dtype, gpu_memory_utilization,
             revision, trust_remote_code).
     """

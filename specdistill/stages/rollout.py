@@ -9,23 +9,31 @@ re-launching the same run resumes where it stopped.
 each rank loads the models, rolls out its shards and, after the others are done, reads the one merged dataset; rank 0
 writes the result. A target placed with `models.target.device_map` spans the GPUs of its node, so it runs one process
 per node (`rollout.devices=1`, `rollout.num_nodes=N`).
+
+With `rollout.backend=vllm` the target's responses come from vLLM (`specdistill.rollout.vllm_backend`, one process
+that parallelises the target itself, `rollout.vllm.*`), generated before our models load and kept in
+`rollouts/vllm/` for a re-launch; our models then label them with exact target and draft passes.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from specdistill.decoding.sampling import SamplingConfig
+from specdistill.rollout.generate import row_seeds
 from specdistill.rollout.ranks import launch_ranks
 from specdistill.rollout.run import run_rollouts
+from specdistill.rollout.vllm_backend import generate_with_vllm
 from specdistill.stages.build import (
     build_datamodule,
     load_frozen_target_and_drafts,
+    model_spec,
     named_drafts,
     pick_device,
     seed_everything,
+    shared_tokenizer,
     write_result,
 )
 
@@ -37,12 +45,13 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     device, ranks = launch_ranks(
         pick_device(settings.device), settings.devices, settings.num_nodes, settings.barrier_timeout_minutes
     )
-    tokenizer, target, models, vocab_size = load_frozen_target_and_drafts(cfg, drafts, device)
-    datamodule = build_datamodule(cfg, tokenizer, max_length=settings.max_length)
-    prompts = [p["prompt_ids"] for p in datamodule.prompts(settings.split)]
-    if settings.num_prompts:
-        prompts = prompts[: settings.num_prompts]
     sampling = SamplingConfig(**cfg.sampling)
+    given = None
+    if settings.get("backend", "hf") == "vllm":  # before our models take the GPUs
+        tokenizer = shared_tokenizer(cfg, {})
+        given = _vllm_responses(cfg, _prompts(cfg, tokenizer), sampling, tokenizer.eos_token_id, out_dir)
+    tokenizer, target, models, vocab_size = load_frozen_target_and_drafts(cfg, drafts, device)
+    prompts = _prompts(cfg, tokenizer)
     rollouts, metrics = {}, {}
     for name, draft in models.items():
         directory = out_dir / "rollouts" / name
@@ -52,7 +61,8 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
             label_temperature_one=settings.label_temperature_one, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
             # the target's responses do not depend on the draft: generate them once, label them for each draft
-            responses_from=next(iter(rollouts.values()), None), ranks=ranks,
+            responses_from=next(iter(rollouts.values()), None) if given is None else None, ranks=ranks,
+            responses=given,
         )  # fmt: skip
         rollouts[name] = str(directory)
         labels = [a for row in dataset["labels"] for a in row]
@@ -60,3 +70,23 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
             metrics[f"{name}/mean_acceptance_label"] = sum(labels) / len(labels)
     result = {"stage": "rollout", "rollouts": rollouts, **metrics}
     return write_result(out_dir, result) if ranks.is_main else result
+
+
+def _prompts(cfg: DictConfig, tokenizer) -> list[list[int]]:
+    settings = cfg.rollout
+    datamodule = build_datamodule(cfg, tokenizer, max_length=settings.max_length)
+    prompts = [list(p["prompt_ids"]) for p in datamodule.prompts(settings.split)]
+    return prompts[: settings.num_prompts] if settings.num_prompts else prompts
+
+
+def _vllm_responses(
+    cfg: DictConfig, prompts: list[list[int]], sampling: SamplingConfig, eos_token_id: int, out_dir: Path
+) -> list[list[int]]:
+    """The target's responses from vLLM (or the ones an earlier launch of this run generated with the same request)."""
+    spec = model_spec(cfg.models.target)
+    engine = {"revision": spec.revision, "trust_remote_code": spec.trust_remote_code}
+    engine.update(OmegaConf.to_container(cfg.rollout.vllm, resolve=True))
+    return generate_with_vllm(
+        spec.pretrained_model_name_or_path, prompts, sampling, cfg.rollout.max_new_tokens, [eos_token_id],
+        row_seeds(cfg.seed, range(len(prompts))), out_dir / "rollouts" / "vllm", engine=engine,
+    )  # fmt: skip
