@@ -7,8 +7,19 @@
 #   bash benchmarks/gpu_check.sh                     # about 10 minutes on one H100/H200
 #   STEPS=10 EXPERIMENT=adaspec_3epoch PAIR=codegen_350m_to_phi2 bash benchmarks/gpu_check.sh
 #   DRY_RUN=1 bash benchmarks/gpu_check.sh           # CPU: the gpu tests skip, the preset runs shrunken (wiring only)
+#
+# On a machine without network (the lent GPU machine), run `bash benchmarks/gpu_wheels.sh` here first and carry
+# `.whl`: the packages in it are installed into /tmp/site, ahead of the machine's own.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+if [[ -d .whl ]] && compgen -G ".whl/*" >/dev/null; then
+    echo "== installing the carried packages (.whl) into /tmp/site"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --no-build-isolation --upgrade \
+        --target /tmp/site .whl/*
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+python3 -c "import torch, transformers, lightning; print('torch', torch.__version__, 'transformers', transformers.__version__, 'lightning', lightning.__version__, 'cuda', torch.cuda.is_available())"
 
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline
 OUT=${OUT:-outputs/gpu_check}
@@ -26,10 +37,10 @@ fi
 
 echo "== gpu-marked tests"
 status=0
-python -m pytest -q -m gpu tests/ 2>&1 | tee "$OUT/gpu_tests.txt" || status=$?
+python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$OUT/gpu_tests.txt" || status=$?
 
 echo "== $EXPERIMENT on $PAIR (random weights), $STEPS steps per training stage"
-python benchmarks/gpu_preset_step.py --experiment "$EXPERIMENT" --pair "$PAIR" "${preset_args[@]}" \
+python3 benchmarks/gpu_preset_step.py --experiment "$EXPERIMENT" --pair "$PAIR" "${preset_args[@]}" \
     --out "$OUT/$EXPERIMENT" 2>&1 | tee "$OUT/preset.txt"
 echo "figures: $OUT/$EXPERIMENT/gpu_preset_step.json"
 exit "$status"  # the preset runs even when a test failed; the script still reports the failure
