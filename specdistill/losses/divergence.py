@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from specdistill.losses.chunked import DivergenceFn, rowwise
 from specdistill.losses.rows import LogitRows
 
+KERNELS = ("torch", "liger")  # how the training loss is computed (`Divergence.kernel`)
+
 
 def _check_logits(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> None:
     if target_logits.dim() != 2 or target_logits.shape != draft_logits.shape:
@@ -145,13 +147,19 @@ class Divergence:
     Attributes:
         chunk_size: keyword-only; if set, compute over row chunks of this many tokens (see `chunked_divergence`);
             None (default) computes all rows at once.
+        kernel: keyword-only; how the training loss is computed: `torch` (default, `rows`) or `liger` (Liger
+            Kernel's fused linear JSD on CUDA, `specdistill.losses.fused`). Values are the same; `kernel` and
+            `chunk_size` change speed and memory only.
     """
 
     chunk_size: int | None = None
+    kernel: str = "torch"
 
     def __post_init__(self) -> None:
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError(f"chunk_size must be None or a positive number of rows, got {self.chunk_size}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {self.kernel!r}")
 
     def per_token(self, target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -7,6 +7,7 @@ see docs/METHODS.md sections 2 and 3.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Mapping
@@ -20,6 +21,7 @@ from specdistill.data.target_cache import CachedTarget
 from specdistill.losses.answers import answer_mask
 from specdistill.losses.chunked import rowwise
 from specdistill.losses.divergence import Divergence, expected_acceptance, forward_kl
+from specdistill.losses.fused import fused_divergence_sum
 from specdistill.losses.reduction import reduce_tokens, window_normaliser
 from specdistill.losses.rows import HiddenRows, answer_rows
 from specdistill.losses.sparse import SparseRows
@@ -81,6 +83,11 @@ class DistillModule(LightningModule):
             raise ValueError(
                 f"the cached target distributions have vocab_size {self.cached_target.vocab_size} but the module "
                 f"{vocab_size}: build the cache with this tokenizer"
+            )
+        if self.cached_target is not None and divergence.kernel != "torch":
+            raise ValueError(
+                f"divergence.kernel={divergence.kernel} projects the target's hidden states itself, so it cannot "
+                "train from cached target distributions: drop cached_target or use divergence.kernel=torch"
             )
         self._target = None if self.cached_target is not None else Frozen(target)
         self.vocab_size = vocab_size
@@ -191,11 +198,19 @@ class DistillModule(LightningModule):
         world_size, accumulate = self._window()
         normaliser = window_normaliser(batch, world_size)
         answers, target_rows, draft_rows = self._answer_rows(batch, "train")
-        per_token = self.divergence.rows(target_rows, draft_rows)
+        fused = (
+            self.divergence.kernel != "torch"
+        )  # the kernel gives the loss; `rows` the values to select from
+        with torch.no_grad() if fused else contextlib.nullcontext():
+            per_token = self.divergence.rows(target_rows, draft_rows)
         keep, normaliser = self._select(
             batch, answers, target_rows, per_token, normaliser.to(per_token.device)
         )
-        loss = reduce_tokens(per_token, keep, normaliser) * accumulate
+        if fused:
+            total = fused_divergence_sum(self.divergence, target_rows, draft_rows, keep)
+            loss = total / torch.where(normaliser > 0, normaliser, 1).to(total) * accumulate
+        else:
+            loss = reduce_tokens(per_token, keep, normaliser) * accumulate
         # Logged value is this micro-batch's share of the window loss, as Lightning will scale it.
         self.log("train/loss", loss / accumulate, on_step=True, prog_bar=True)
         return loss
@@ -245,7 +260,8 @@ def _check_reference(
 
 
 def _same_divergence(a: Divergence, b: Divergence) -> bool:
-    """Equal up to `chunk_size`, which changes memory use, not values."""
+    """Equal up to `chunk_size` and `kernel`, which change speed and memory use, not values."""
     if isinstance(a, Divergence) and isinstance(b, Divergence):
-        return dataclasses.replace(a, chunk_size=None) == dataclasses.replace(b, chunk_size=None)
+        same = {"chunk_size": None, "kernel": "torch"}
+        return dataclasses.replace(a, **same) == dataclasses.replace(b, **same)
     return a == b
