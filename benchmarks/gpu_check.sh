@@ -2,7 +2,8 @@
 # One-GPU check of what CPU CI cannot run: the `gpu`-marked tests (DeepSpeed ZeRO-2/3 end to end, fp32 master weights
 # under every GPU preset), then a paper preset shrunk to a few minutes on random weights of its architectures
 # (benchmarks/gpu_preset_step.py), printing per training stage the step time, peak memory and the achieved fraction
-# of the GPU's peak bf16 FLOP/s. Offline: no hub download is needed.
+# of the GPU's peak bf16 FLOP/s, then the loss modes at a 152k vocabulary (benchmarks/bench_training_modes.py;
+# TRAINING_MODES=0 skips it). Offline: no hub download is needed.
 #
 #   bash benchmarks/gpu_check.sh                     # about 10 minutes on one H100/H200
 #   STEPS=10 EXPERIMENT=adaspec_3epoch PAIR=codegen_350m_to_phi2 bash benchmarks/gpu_check.sh
@@ -43,4 +44,10 @@ echo "== $EXPERIMENT on $PAIR (random weights), $STEPS steps per training stage"
 python3 benchmarks/gpu_preset_step.py --experiment "$EXPERIMENT" --pair "$PAIR" "${preset_args[@]}" \
     --out "$OUT/$EXPERIMENT" 2>&1 | tee "$OUT/preset.txt"
 echo "figures: $OUT/$EXPERIMENT/gpu_preset_step.json"
+
+if [[ -z "${DRY_RUN:-}" && "${TRAINING_MODES:-1}" == 1 ]]; then
+    echo "== distill and adaspec steps at V = 152064: full logits, chunked rows, cached target (bf16 autocast)"
+    python3 benchmarks/bench_training_modes.py --device cuda --bf16 --vocab 152064 --target-hidden 2048 \
+        --draft-hidden 512 --batch-size 8 --steps 6 --chunk-size 1024 2>&1 | tee "$OUT/training_modes.txt" || status=$?
+fi
 exit "$status"  # the preset runs even when a test failed; the script still reports the failure
