@@ -121,9 +121,8 @@ def sample_responses(
     )
     tokens: list[list[int]] = [[] for _ in prompts]
     step_logits: list[list[torch.Tensor]] = [[] for _ in prompts]
-    slots: list[int | None] = list(
-        range(len(prompts))
-    )  # cache slot -> row still generating, None once it ended
+    # cache slot -> the row it generates, None once that row ended (until the slot is dropped)
+    slots: list[int | None] = list(range(len(prompts)))
     positions = position_ids[:, -1:]
     for step in range(max_new_tokens):
         logits = out.logits[:, -1, :].float()
