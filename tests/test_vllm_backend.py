@@ -119,6 +119,16 @@ def test_backend_settings_are_checked_before_anything_runs(overrides, message):
         check_rollout_backend(_rollout_config(*overrides), "rollout")
 
 
+def test_vllm_is_refused_on_the_ranks_of_a_running_process_group():
+    from specdistill.errors import ConfigError
+    from specdistill.rollout.ranks import Ranks
+    from specdistill.stages.rollout import check_single_process_for_vllm
+
+    check_single_process_for_vllm(Ranks())
+    with pytest.raises(ConfigError, match="runs in one process, but these rollouts run on 2 ranks"):
+        check_single_process_for_vllm(Ranks(rank=1, world_size=2))
+
+
 @pytest.mark.skipif(HAS_VLLM, reason="checks the message shown when vLLM is missing")
 def test_the_stage_asks_vllm_for_the_responses_before_loading_models(tmp_path):
     """`rollout.backend=vllm` on a saved pair: the stage builds the prompts and calls vLLM first (here missing)."""

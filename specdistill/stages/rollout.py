@@ -22,8 +22,9 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.decoding.sampling import SamplingConfig
+from specdistill.errors import ConfigError
 from specdistill.rollout.generate import row_seeds
-from specdistill.rollout.ranks import launch_ranks
+from specdistill.rollout.ranks import Ranks, launch_ranks
 from specdistill.rollout.run import run_rollouts
 from specdistill.rollout.vllm_backend import generate_with_vllm
 from specdistill.stages.build import (
@@ -48,6 +49,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     sampling = SamplingConfig(**cfg.sampling)
     given = None
     if settings.get("backend", "hf") == "vllm":  # before our models take the GPUs
+        check_single_process_for_vllm(ranks)
         tokenizer = shared_tokenizer(cfg, {})
         given = _vllm_responses(cfg, _prompts(cfg, tokenizer), sampling, tokenizer.eos_token_id, out_dir)
     tokenizer, target, models, vocab_size = load_frozen_target_and_drafts(cfg, drafts, device)
@@ -70,6 +72,16 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
             metrics[f"{name}/mean_acceptance_label"] = sum(labels) / len(labels)
     result = {"stage": "rollout", "rollouts": rollouts, **metrics}
     return write_result(out_dir, result) if ranks.is_main else result
+
+
+def check_single_process_for_vllm(ranks: Ranks) -> None:
+    """vLLM spreads the target over the node's GPUs itself, from one process: refuse to start it on every rank."""
+    if ranks.world_size > 1:
+        raise ConfigError(
+            f"rollout.backend=vllm runs in one process, but these rollouts run on {ranks.world_size} ranks (the process "
+            "group a pipeline's multi-GPU training started): run stage=rollout on its own with rollout.devices=1, "
+            "or use rollout.backend=hf."
+        )
 
 
 def _prompts(cfg: DictConfig, tokenizer) -> list[list[int]]:
