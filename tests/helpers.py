@@ -7,6 +7,8 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,3 +81,15 @@ def join_gloo() -> tuple[int, list[str], Path]:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=int(rank), world_size=int(world_size)
     )
     return int(rank), args, Path(out)
+
+
+@contextmanager
+def hydra_conf() -> Iterator[None]:
+    """Hydra initialised on the repository's `conf/` (for `compose`), cleared before and after."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        yield
+    GlobalHydra.instance().clear()

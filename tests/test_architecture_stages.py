@@ -10,13 +10,13 @@ import json
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
+from hydra import compose
 from omegaconf import open_dict
 from transformers import AutoConfig
 
 from specdistill.stages import pipeline
 from tests.architectures import ARCHITECTURES, SLIDING, WINDOW
+from tests.helpers import hydra_conf
 from tests.threads import one_thread_per_module  # noqa: F401  (autouse fixture)
 
 pytestmark = pytest.mark.slow
@@ -60,10 +60,8 @@ def _one_layer(config: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def hydra_ctx():
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with hydra_conf():
         yield
-    GlobalHydra.instance().clear()
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))

@@ -9,8 +9,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
+from hydra import compose
 from torch.utils.data import DataLoader
 
 from specdistill.data.sampler import WindowedDataset, WindowedSampler
@@ -23,6 +22,7 @@ from specdistill.utils.batching import (
     optimizer_steps_per_epoch,
     world_size,
 )
+from tests.helpers import hydra_conf
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GSM8K_TRAIN = 7273  # GSM8K's 7473 training problems less the 200 held out for validation
@@ -30,10 +30,8 @@ GSM8K_TRAIN = 7273  # GSM8K's 7473 training problems less the 200 held out for v
 
 @pytest.fixture
 def hydra_ctx():
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with hydra_conf():
         yield
-    GlobalHydra.instance().clear()
 
 
 @pytest.mark.parametrize(("world", "accumulate"), [(1, 8), (2, 4), (8, 1)])

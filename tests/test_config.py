@@ -7,14 +7,14 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
+from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from specdistill.stages.build import build_trainer, trainer_config
+from tests.helpers import hydra_conf
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 STAGES = ["sft", "distill", "adaspec", "rollout", "acceptance_head", "evaluate"]
@@ -41,10 +41,8 @@ def options(group: str) -> list[str]:
 
 @pytest.fixture(autouse=True)
 def hydra_ctx():
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with hydra_conf():
         yield
-    GlobalHydra.instance().clear()
 
 
 def resolve_except_hydra(cfg) -> dict:

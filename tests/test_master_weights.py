@@ -11,8 +11,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
+from hydra import compose
 from hydra.utils import instantiate
 from omegaconf import open_dict
 
@@ -21,7 +20,7 @@ from specdistill.models.precision import MasterWeightsCheck, check_training_prec
 from specdistill.modules import SFTModule
 from specdistill.stages import adaspec, distill, sft
 from specdistill.stages.build import build_trainer, load_models, model_spec, trainer_config
-from tests.helpers import TINY
+from tests.helpers import TINY, hydra_conf
 from tests.test_distill_module import loader, make_batches, make_examples
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -33,10 +32,8 @@ BF16_PAIR = [*TINY, "+models.target.dtype=bfloat16", "+models.draft.dtype=bfloat
 
 @pytest.fixture(autouse=True)
 def hydra_ctx():
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with hydra_conf():
         yield
-    GlobalHydra.instance().clear()
 
 
 def test_every_real_pair_loads_bf16_which_only_frozen_roles_keep():

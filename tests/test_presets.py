@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
+from hydra import compose
 from omegaconf import OmegaConf
+
+from tests.helpers import hydra_conf
 
 ROOT = Path(__file__).resolve().parents[1]
 NOT_FOUND = "not found"
@@ -38,10 +39,8 @@ def pick(value, models: str, task: str | None):
 
 @pytest.fixture(scope="module")
 def hydra_ctx():
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with hydra_conf():
         yield
-    GlobalHydra.instance().clear()
 
 
 def test_the_table_covers_every_experiment_preset():

@@ -206,7 +206,7 @@ def label_responses(
         vocab_size: real vocabulary size.
         generator: generator on the draft's device for the draft-token draws.
         target_logits: per row, the target's `(n_i, vocab_size)` logits at the response positions when generation
-            already computed them (`generate_scored_responses`); None runs a teacher-forced target pass.
+            already computed them (`sample_responses`); None runs a teacher-forced target pass.
 
     Returns:
         `(draft_tokens, labels)`: per row, lists of the response's length.

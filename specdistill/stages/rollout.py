@@ -47,13 +47,15 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         pick_device(settings.device), settings.devices, settings.num_nodes, settings.barrier_timeout_minutes
     )
     sampling = SamplingConfig(**cfg.sampling)
-    given = None
+    given = prompts = None
     if settings.get("backend", "hf") == "vllm":  # before our models take the GPUs
         check_single_process_for_vllm(ranks)
         tokenizer = shared_tokenizer(cfg, {})
-        given = _vllm_responses(cfg, _prompts(cfg, tokenizer), sampling, tokenizer.eos_token_id, out_dir)
+        prompts = _prompts(cfg, tokenizer)
+        given = _vllm_responses(cfg, prompts, sampling, tokenizer.eos_token_id, out_dir)
     tokenizer, target, models, vocab_size = load_frozen_target_and_drafts(cfg, drafts, device)
-    prompts = _prompts(cfg, tokenizer)
+    if prompts is None:
+        prompts = _prompts(cfg, tokenizer)
     rollouts, metrics = {}, {}
     for name, draft in models.items():
         directory = out_dir / "rollouts" / name
