@@ -128,6 +128,9 @@ def check_rollout_backend(cfg: DictConfig, stage: str) -> None:
             f"{stage}.backend=vllm runs one process that spreads the target over the node's GPUs itself "
             f"({stage}.vllm.tensor_parallel_size): set {stage}.devices=1 and {stage}.num_nodes=1."
         )
+    from specdistill.rollout.vllm_backend import vllm_python
+
+    vllm_python(cfg[stage].get("vllm_python"))  # vLLM is there before hours of training start
 
 
 def check_drafts_given(cfg: DictConfig) -> None:
@@ -213,7 +216,7 @@ def check_added_keys(cfg: DictConfig) -> None:
         if isinstance(value, DictConfig) and "_target_" in value:
             continue
         if isinstance(parent, DictConfig) and (
-            "_target_" in parent or parent_key.rpartition(".")[2] in ("trainer", "config") or len(parent) == 0
+            "_target_" in parent or parent_key.rpartition(".")[2] in PASSED_WHOLE or len(parent) == 0
         ):
             continue
         known = [str(k) for k in parent.keys()] if isinstance(parent, DictConfig) else []
@@ -233,6 +236,8 @@ def check_added_keys(cfg: DictConfig) -> None:
 
 
 _ABSENT = object()
+# settings handed whole to a library, so any key added there is read: Lightning's Trainer, a model config, vllm.LLM
+PASSED_WHOLE = ("trainer", "config", "vllm")
 
 
 # -- models and files -----------------------------------------------------------------------------------------------

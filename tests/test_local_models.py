@@ -15,14 +15,15 @@ from tests.helpers import check_ok, run_train, stage_overrides
 SMALL_TASK = ["task.sizes.train=32", "task.sizes.validation=8", "task.sizes.test=8"]
 
 
-def save_pair(root: Path) -> tuple[Path, Path]:
-    """Two models of different sizes sharing the embedded tokenizer, saved as Hugging Face directories."""
+def save_pair(root: Path, hidden: tuple[int, int] = (32, 16)) -> tuple[Path, Path]:
+    """Two models of different sizes (`hidden`: target's, draft's) sharing the embedded tokenizer, saved as Hugging Face
+    directories."""
     tokenizer = arith_tokenizer()
     paths = []
-    for name, hidden, seed in (("target", 32, 0), ("draft", 16, 1)):
+    for name, width, seed in (("target", hidden[0], 0), ("draft", hidden[1], 1)):
         torch.manual_seed(seed)
-        config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=2, intermediate_size=2 * hidden)  # fmt: skip
+        config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=width, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, intermediate_size=2 * width)  # fmt: skip
         paths.append(export_pretrained(AutoModelForCausalLM.from_config(config), tokenizer, root / name))
     return paths[0], paths[1]
 

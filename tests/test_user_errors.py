@@ -67,6 +67,8 @@ def test_misspelt_plus_key_is_refused_with_a_suggestion():
         validated("stage=sft", "+sft.batch_sise=4")
     with pytest.raises(ConfigError, match="adds 'adaspec_k'"):
         validated("stage=sft", "+adaspec_k=0.2")
+    with pytest.raises(ConfigError, match=r"adds 'rollout\.vlm_python'.*did you mean rollout\.vllm_python"):
+        validated("+rollout.vlm_python=/usr/bin/python3")
 
 
 def test_plus_keys_that_something_reads_are_accepted(tmp_path):
@@ -82,6 +84,9 @@ def test_plus_keys_that_something_reads_are_accepted(tmp_path):
     validated(
         "stage=evaluate", f"+evaluate.drafts.mine={export}"
     )  # an entry of a map that is empty by default
+    validated(
+        "+rollout.vllm.enforce_eager=true"
+    )  # a vllm.LLM argument (the default pipeline has a rollout step)
 
 
 # -- models ---------------------------------------------------------------------------------------------------------

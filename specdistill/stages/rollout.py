@@ -26,7 +26,7 @@ from specdistill.errors import ConfigError
 from specdistill.rollout.generate import row_seeds
 from specdistill.rollout.ranks import Ranks, launch_ranks
 from specdistill.rollout.run import run_rollouts
-from specdistill.rollout.vllm_backend import generate_with_vllm
+from specdistill.rollout.vllm_backend import generate_with_vllm, vllm_request
 from specdistill.stages.build import (
     build_datamodule,
     load_frozen_target_and_drafts,
@@ -100,7 +100,8 @@ def _vllm_responses(
     spec = model_spec(cfg.models.target)
     engine = {"revision": spec.revision, "trust_remote_code": spec.trust_remote_code}
     engine.update(OmegaConf.to_container(cfg.rollout.vllm, resolve=True))
-    return generate_with_vllm(
+    request = vllm_request(
         spec.pretrained_model_name_or_path, prompts, sampling, cfg.rollout.max_new_tokens, [eos_token_id],
-        row_seeds(cfg.seed, range(len(prompts))), out_dir / "rollouts" / "vllm", engine=engine,
+        row_seeds(cfg.seed, range(len(prompts))), engine,
     )  # fmt: skip
+    return generate_with_vllm(request, out_dir / "rollouts" / "vllm", cfg.rollout.get("vllm_python"))

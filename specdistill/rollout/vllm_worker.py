@@ -1,0 +1,58 @@
+"""The vLLM side of `rollout.backend=vllm`: `python vllm_worker.py REQUEST OUT`.
+
+This file imports only the standard library and vLLM, so it runs under any Python that has vLLM, including a separate
+environment (`rollout.vllm_python`): vLLM pins its own torch and transformers, which often cannot share an
+environment with training. REQUEST is the JSON that `specdistill.rollout.vllm_backend.generate_with_vllm` writes
+(`engine`: `vllm.LLM` arguments; `prompts`: token ids; `params`: one `vllm.SamplingParams` per prompt; `eos_ids`); OUT
+receives one response (token ids) per prompt, in order.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def response_tokens(
+    token_ids: Sequence[int], finish_reason: str | None, stop_reason: Any, eos_ids: Sequence[int]
+) -> list[int]:
+    """A vLLM completion as a rollout response: its tokens up to and including the first EOS; the EOS that stopped
+    it is appended when the version at hand leaves it out of `token_ids`."""
+    eos = {int(t) for t in eos_ids}
+    response = []
+    for token in token_ids:
+        response.append(int(token))
+        if token in eos:
+            return response
+    if finish_reason == "stop" and isinstance(stop_reason, int) and stop_reason in eos:
+        response.append(stop_reason)
+    return response
+
+
+def main(request_path: str, out_path: str) -> None:
+    from vllm import LLM, SamplingParams
+
+    request = json.loads(Path(request_path).read_text())
+    engine = {"trust_remote_code": False, "skip_tokenizer_init": True, **request["engine"]}
+    llm = LLM(**engine)
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in request["prompts"]],
+        [SamplingParams(**params) for params in request["params"]],
+        use_tqdm=True,
+    )
+    responses = [
+        response_tokens(
+            o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason, request["eos_ids"]
+        )
+        for o in outputs
+    ]
+    partial = Path(out_path).with_suffix(".partial")
+    partial.write_text(json.dumps(responses))
+    partial.replace(out_path)  # a killed run leaves no half-written responses behind
+
+
+if __name__ == "__main__":  # vLLM starts its engine in spawned processes, which import this file again
+    main(*sys.argv[1:3])
