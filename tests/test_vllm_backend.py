@@ -275,3 +275,26 @@ def test_the_rollout_stage_labels_the_responses_of_vllm(tmp_path, monkeypatch):
     assert len(responses) == 6 and [list(r) for r in dataset["response_ids"]] == responses
     assert all(0 <= a <= 1 for row in dataset["labels"] for a in row)
     assert sum(map(len, dataset["labels"])) > 0
+
+
+@needs_vllm
+def test_vllm_loads_safetensors_only(tmp_path, monkeypatch):
+    """A target saved as a pickle (`pytorch_model.bin`) is not loaded by our vLLM worker: pickles can run code."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64)  # fmt: skip
+    config.save_pretrained(tmp_path / "pickled")
+    torch.save(LlamaForCausalLM(config).state_dict(), tmp_path / "pickled" / "pytorch_model.bin")
+    for name, value in SINGLE_PROCESS.items():
+        monkeypatch.setenv(name, value)
+    request = vllm_request(
+        str(tmp_path / "pickled"), [[1, 2]], SamplingConfig(greedy=True), 2, [0], [0], ENGINE
+    )
+    with pytest.raises(RuntimeError, match="vLLM .* exited with code"):
+        generate_with_vllm(request, tmp_path / "work", VLLM_PYTHON)
+    assert not (tmp_path / "work" / "vllm_responses.json").exists()
+    # the same model loads when the user explicitly allows other formats: the refusal was the format's
+    allowed = vllm_request(str(tmp_path / "pickled"), [[1, 2]], SamplingConfig(greedy=True), 2, [0], [0],
+                           {**ENGINE, "load_format": "auto"})  # fmt: skip
+    assert len(generate_with_vllm(allowed, tmp_path / "work", VLLM_PYTHON)) == 1

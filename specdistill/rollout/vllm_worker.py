@@ -36,7 +36,14 @@ def main(request_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
     request = json.loads(Path(request_path).read_text())
-    engine = {"trust_remote_code": False, "skip_tokenizer_init": True, **request["engine"]}
+    # our defaults, which the request's `engine` may override: no model code from the hub, weights from safetensors
+    # only (never pickle), and token ids in and out (the tokenizer is ours)
+    engine = {
+        "trust_remote_code": False,
+        "load_format": "safetensors",
+        "skip_tokenizer_init": True,
+        **request["engine"],
+    }
     llm = LLM(**engine)
     outputs = llm.generate(
         [{"prompt_token_ids": p} for p in request["prompts"]],
