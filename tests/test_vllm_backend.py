@@ -40,14 +40,21 @@ needs_vllm = pytest.mark.skipif(
     VLLM_PYTHON is None, reason="needs vLLM: bash tests/vllm_cpu_env.sh (its CPU build), or pip install vllm"
 )
 # fp32 like our loop; a small memory reservation (on the CPU build this fraction is of the host's memory); no compile;
-# the model runs in vLLM's own process, and with SINGLE_PROCESS its engine too: a start takes ~10 s instead of ~35 s
+# the model runs in vLLM's own process, and with vllm_in_one_process its engine too: a start takes ~10 s instead of ~35 s
 ENGINE = {
     "dtype": "float32",
     "gpu_memory_utilization": 0.05,
     "enforce_eager": True,
     "distributed_executor_backend": "uni",
 }
-SINGLE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_in_one_process():
+    """Every vLLM subprocess of this module inherits VLLM_ENABLE_V1_MULTIPROCESSING=0 (see ENGINE)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        yield
 
 
 def test_sampling_params_sample_like_ours_and_stop_at_our_eos_only():
@@ -105,10 +112,7 @@ def vllm_answers(tmp_path_factory):
     )
     both["prompts"] += sampled["prompts"]
     both["params"] += sampled["params"]  # the worker takes one SamplingParams per prompt
-    with pytest.MonkeyPatch.context() as patch:  # the subprocess inherits the environment
-        for name, value in SINGLE_PROCESS.items():
-            patch.setenv(name, value)
-        responses = generate_with_vllm(json.dumps(both), root / "work", VLLM_PYTHON)
+    responses = generate_with_vllm(json.dumps(both), root / "work", VLLM_PYTHON)
     return model, responses[: len(GREEDY_PROMPTS)], responses[len(GREEDY_PROMPTS) :]
 
 
@@ -253,7 +257,7 @@ def test_the_stage_asks_vllm_for_the_responses_before_loading_models(tmp_path):
 
 @pytest.mark.slow
 @needs_vllm
-def test_the_rollout_stage_labels_the_responses_of_vllm(tmp_path, monkeypatch):
+def test_the_rollout_stage_labels_the_responses_of_vllm(tmp_path):
     """`train.py stage=rollout rollout.backend=vllm` with vLLM in its own environment: the stored rollouts hold
     vLLM's responses, labelled by our target and draft."""
     from specdistill.rollout import load_rollouts
@@ -262,8 +266,6 @@ def test_the_rollout_stage_labels_the_responses_of_vllm(tmp_path, monkeypatch):
 
     target, draft = save_pair(tmp_path, hidden=(64, 16))
     run = tmp_path / "run"
-    for name, value in SINGLE_PROCESS.items():
-        monkeypatch.setenv(name, value)
     check_ok(run_train(["stage=rollout", "models=local", f"models.target_path={target}", f"models.draft_path={draft}",
                         *SMALL_TASK, "rollout.num_prompts=6", "rollout.max_new_tokens=8", "rollout.device=cpu",
                         "rollout.backend=vllm", f"rollout.vllm_python={VLLM_PYTHON}", "rollout.vllm.dtype=float32",
@@ -278,7 +280,7 @@ def test_the_rollout_stage_labels_the_responses_of_vllm(tmp_path, monkeypatch):
 
 
 @needs_vllm
-def test_vllm_loads_safetensors_only(tmp_path, monkeypatch):
+def test_vllm_loads_safetensors_only(tmp_path):
     """A target saved as a pickle (`pytorch_model.bin`) is not loaded by our vLLM worker: pickles can run code."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -286,8 +288,6 @@ def test_vllm_loads_safetensors_only(tmp_path, monkeypatch):
                          num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64)  # fmt: skip
     config.save_pretrained(tmp_path / "pickled")
     torch.save(LlamaForCausalLM(config).state_dict(), tmp_path / "pickled" / "pytorch_model.bin")
-    for name, value in SINGLE_PROCESS.items():
-        monkeypatch.setenv(name, value)
     request = vllm_request(
         str(tmp_path / "pickled"), [[1, 2]], SamplingConfig(greedy=True), 2, [0], [0], ENGINE
     )
