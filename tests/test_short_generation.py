@@ -5,48 +5,30 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers.cache_utils import StaticLayer
 
 from specdistill.decoding.engine import SpeculativeDecoder, autoregressive
 from specdistill.decoding.policies import FixedLength
 from specdistill.models.cache import cache_length, crop_cache, new_cache
 from tests.architectures import SLIDING
-from tests.test_architectures import GREEDY, PROMPT, tiny_pair
+from tests.test_architectures import GREEDY, PROMPT, STATIC, tiny_pair
 from tests.threads import one_thread_per_module  # noqa: F401  (autouse fixture)
 
-CACHES = [
-    "dynamic",
-    pytest.param(
-        "static",
-        marks=pytest.mark.skipif(
-            not StaticLayer.is_croppable, reason="static caches roll back from transformers 5.24"
-        ),
-    ),
-]
+CACHES = ["dynamic", STATIC]
 
 
-@pytest.mark.parametrize("cache_implementation", CACHES)
+@pytest.mark.parametrize("cache", CACHES)
 @pytest.mark.parametrize("arch", [*SLIDING, "llama"])
-def test_one_or_two_new_tokens_equal_generate(arch, cache_implementation):
+def test_one_or_two_new_tokens_equal_generate(arch, cache):
     target, draft = tiny_pair(arch, 32)
-    for max_new_tokens in (1, 2):
-        reference = target.generate(torch.tensor([PROMPT]), max_new_tokens=max_new_tokens, do_sample=False)
-        reference = reference[0, len(PROMPT) :].tolist()
-        baseline = autoregressive(
-            target, PROMPT, max_new_tokens, GREEDY, None, 32, cache_implementation=cache_implementation
-        )
+    for n in (1, 2):
+        reference = target.generate(torch.tensor([PROMPT]), max_new_tokens=n, do_sample=False)[
+            0, len(PROMPT) :
+        ]
+        baseline = autoregressive(target, PROMPT, n, GREEDY, None, 32, cache_implementation=cache)
         decoder = SpeculativeDecoder(
-            target,
-            draft,
-            FixedLength(3),
-            GREEDY,
-            None,
-            32,
-            max_draft_length=4,
-            cache_implementation=cache_implementation,
+            target, draft, FixedLength(3), GREEDY, None, 32, cache_implementation=cache
         )
-        result = decoder.generate(PROMPT, max_new_tokens)
-        assert baseline.tokens == result.tokens == reference, (arch, max_new_tokens)
+        assert baseline.tokens == decoder.generate(PROMPT, n).tokens == reference.tolist(), (arch, n)
 
 
 @pytest.mark.parametrize("cache_implementation", CACHES)
