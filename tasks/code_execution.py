@@ -5,8 +5,12 @@ namespaces:
 
 - an empty environment, and a fresh `/proc` that shows only the program's own processes (not the parent's
   `environ`, tokens included);
-- a read-only view of every mount but the program's own temporary folder; all capabilities dropped before the
-  program starts (it cannot remount anything writable), no new user namespaces, `no_new_privs`;
+- its own file system, in the way bubblewrap or nsjail build one: a new read-only root holding only what Python needs
+  (`read_only_paths()`: the Python installation, the system libraries, `/dev/null` and the random devices) and, at
+  `/sandbox`, the program's own temporary folder, the one writable place. Nothing else of the machine is there:
+  `/etc/passwd`, the user's home, runs, checkpoints and credentials can be neither read nor written (the machine's
+  other top-level folders show as empty folders nobody may enter). All capabilities are dropped before the program
+  starts (it cannot remount anything or leave its root), no new user namespaces, `no_new_privs`;
 - no network (a new network namespace holds only a down loopback);
 - resource limits: processes (`RLIMIT_NPROC`, and the namespace's own `pid_max`: 300 at most), file size, address
   space, CPU time, open files, no core files;
@@ -38,7 +42,10 @@ from specdistill.errors import ConfigError, UserError
 
 SANDBOX_MODES = ("namespaces", "process")
 SANDBOX_FAILED = 125  # the bootstrap could not build the sandbox; the program did not run
+SANDBOX_FOLDER = "/sandbox"  # where the program's own folder (its working directory) is, inside the sandbox
 _BOOTSTRAP = Path(__file__).with_name("sandbox_bootstrap.py")
+_SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache")
+_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 
 
 class CodeExecutionDisabledError(RuntimeError):
@@ -99,6 +106,19 @@ def check_sandbox(mode: str) -> None:
             )
 
 
+def read_only_paths() -> list[str]:
+    """The machine's paths a sandboxed program sees (read-only, at the same place): what this Python needs to run.
+
+    The system folders (`/usr`, `/lib*`, `/bin`, the dynamic loader's cache), this interpreter's installation
+    (`sys.prefix` and, for a virtual environment, the one it was made from: the standard library and site-packages)
+    and a few device nodes. Nothing of `/etc` but `ld.so.cache`, nothing of `/home`, `/root` or `/tmp` but the
+    Python installation itself when it lives there (pyenv, a virtual environment).
+    """
+    python = {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix}
+    python.add(os.path.dirname(os.path.realpath(sys.executable)))
+    return [*_SYSTEM_PATHS, *sorted(python), *_DEVICES]
+
+
 @functools.cache
 def namespaces_unavailable() -> str | None:
     """Why the namespace sandbox cannot run here (None: it can); probed once by running an empty program in it."""
@@ -143,6 +163,8 @@ def run_python(
     with tempfile.TemporaryDirectory(prefix="specdistill-exec-") as tmp:
         work = Path(tmp) / "work"  # the program's only writable folder; stderr is kept outside it
         work.mkdir()
+        root = Path(tmp) / "root"  # where the bootstrap mounts the program's root file system
+        root.mkdir()
         script = work / "program.py"
         script.write_text(program)
         with open(Path(tmp) / "stderr.txt", "w+b") as stderr:
@@ -150,7 +172,8 @@ def run_python(
                 command = [
                     shutil.which("unshare") or "unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount",
                     "--net", "--mount-proc", "--kill-child=SIGKILL", "--", sys.executable, "-I", "-B",
-                    str(_BOOTSTRAP), json.dumps({"work": str(work), "outer_uid": os.getuid(),
+                    str(_BOOTSTRAP), json.dumps({"work": str(work), "root": str(root), "inside": SANDBOX_FOLDER,
+                                                 "read_only": read_only_paths(), "outer_uid": os.getuid(),
                                                  "python": sys.executable, "rlimits": limits.rlimits()}),
                 ]  # fmt: skip
                 preexec = None

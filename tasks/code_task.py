@@ -20,7 +20,7 @@ class CodeTask(Task):
     """A task scored by running generated code against the record's tests (greedy pass@1: 1.0 or 0.0 each).
 
     Generated code runs only when the user opts in with `execute_code=true`, in the sandbox `sandbox` names (see
-    `specdistill.tasks.code_execution`: own namespaces, read-only files, no network, resource limits). Without it `scoring_available` is False, so evaluation
+    `specdistill.tasks.code_execution`: own namespaces and file system, no network, resource limits). Without it `scoring_available` is False, so evaluation
     reports the metric as unavailable, and `score` raises `CodeExecutionDisabledError` rather than inventing a value.
 
     Args:
@@ -64,7 +64,7 @@ class CodeTask(Task):
         if not self.execute_code:
             raise CodeExecutionDisabledError(
                 f"Scoring {self.name} runs model-generated code, which is off by default. Set "
-                f"task.execute_code=true to run it in a sandbox (own namespaces, read-only files, no network, a "
+                f"task.execute_code=true to run it in a sandbox (own namespaces and file system, no network, a "
                 f"{self.timeout_s:g}s timeout), or skip the task metric (task.scoring_available is False)."
             )
         program = self.program(self.extract_answer(generated_text) or "", record)

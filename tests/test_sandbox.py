@@ -239,3 +239,65 @@ def test_sandbox_refused_where_no_isolation_is_available(monkeypatch):
     assert run_python("import os; assert set(os.environ) <= {'LC_CTYPE'}", sandbox="process").passed
     with pytest.raises(ConfigError, match="sandbox='docker'"):
         check_sandbox("docker")
+
+
+def read_attempts(paths: list[Path | str]) -> str:
+    """A program that exits 0 only if reading every path in `paths` fails."""
+    return program(f"""
+        for path in {[str(p) for p in paths]!r}:
+            try:
+                open(path, 'rb').read()
+            except OSError:
+                continue
+            raise SystemExit(f'could read {{path}}')
+    """)
+
+
+@isolated
+def test_sandbox_cannot_read_the_machines_or_the_users_files(tmp_path, monkeypatch):
+    run_dir = (
+        tmp_path / "runs" / "sft"
+    )  # a run folder of the user evaluating, outside the program's own folder
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.json").write_text('{"secret": 1}')
+    home = tmp_path / "home"
+    (home / ".cache" / "huggingface").mkdir(parents=True)
+    (home / ".cache" / "huggingface" / "token").write_text("hf_secret")
+    monkeypatch.setenv("HOME", str(home))
+    assert Path("/etc/passwd").is_file()
+    targets = ["/etc/passwd", run_dir / "metrics.json", Path.home() / ".cache" / "huggingface" / "token"]
+    result = run_python(read_attempts(targets))
+    assert result.passed, result.stderr_tail
+    # the same program in the weaker mode reads them all: only the namespace sandbox hides them
+    assert not run_python(read_attempts(targets), sandbox="process").passed
+
+
+@isolated
+def test_sandbox_sees_only_what_python_needs():
+    result = run_python(
+        program(f"""
+        import hashlib, json, math, os, random, re, sys
+        assert os.getcwd() == {code_execution.SANDBOX_FOLDER!r} and os.listdir('.') == ['program.py']
+        assert sorted(os.listdir('/etc')) == ['ld.so.cache'], os.listdir('/etc')
+        assert os.path.realpath(sys.executable).startswith(tuple({code_execution.read_only_paths()!r}))
+        open('/dev/null', 'w').write('discarded')
+        assert len(os.urandom(8)) == 8 and hashlib.sha256(b'x').hexdigest()
+    """)
+    )
+    assert result.passed, result.stderr_tail
+
+
+@isolated
+def test_canonical_solutions_still_pass_in_the_sandbox():
+    from tests.test_tasks import compose_task, data_files_override
+
+    mbpp = compose_task("mbpp", data_files_override("mbpp"), "execute_code=true", "timeout_s=10")
+    records = [r for split in ("train", "validation", "test") for r in mbpp.load_split(split)]
+    assert records and [mbpp.score(mbpp.answer(r), r) for r in records] == [1.0] * len(records)
+    humaneval = compose_task("humaneval", data_files_override("humaneval"), "execute_code=true")
+    records = humaneval.load_split("test")
+    assert records and [humaneval.score(humaneval.answer(r), r) for r in records] == [1.0] * len(records)
+    # a correct solution that also reads the user's files fails: the read raises
+    record = humaneval.load_split("test")[1]
+    snooping = "    open('/etc/passwd').read()\n" + humaneval.answer(record)
+    assert humaneval.score(snooping, record) == 0.0

@@ -23,9 +23,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from specdistill.errors import InputFileError
 from specdistill.export.hf import umask_modes
 from specdistill.models.draft_identity import draft_fingerprint
 
@@ -208,11 +210,14 @@ class AcceptanceHead(nn.Module):
         directory = Path(directory)
         for path in (directory / CONFIG_NAME, directory / WEIGHTS_NAME):
             if not path.is_file():
-                raise FileNotFoundError(
+                raise InputFileError(
                     f"No acceptance head at {directory}: {path.name} is missing. Point to the directory written by "
                     "AcceptanceHead.save (the acceptance_head stage's export)."
                 )
-        return json.loads((directory / CONFIG_NAME).read_text())
+        try:
+            return json.loads((directory / CONFIG_NAME).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise InputFileError(_unreadable(directory / CONFIG_NAME, error)) from error
 
     @classmethod
     def load(
@@ -226,8 +231,21 @@ class AcceptanceHead(nn.Module):
         if draft is not None:
             check_head_draft(directory, config.get("draft"), draft)
         head = cls(**{key: config[key] for key in ("hidden_size", "num_blocks", "input")})
-        head.load_state_dict(load_file(str(Path(directory) / WEIGHTS_NAME), device=str(device)), strict=True)
+        weights = Path(directory) / WEIGHTS_NAME
+        try:
+            state = load_file(str(weights), device=str(device))
+        except SafetensorError as error:
+            raise InputFileError(_unreadable(weights, error)) from error
+        head.load_state_dict(state, strict=True)
         return head.to(device)
+
+
+def _unreadable(path: Path, error: Exception) -> str:
+    """The message for a head file that exists but cannot be read (cut short while copying or writing)."""
+    return (
+        f"{path} is not a readable acceptance-head file ({error}); it was probably cut short while copying or "
+        "writing. Copy the head folder again, or re-run the acceptance_head stage to write it anew."
+    )
 
 
 def check_head_draft(directory: str | Path, recorded: Mapping[str, Any] | None, draft: nn.Module) -> None:

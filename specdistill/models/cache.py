@@ -95,6 +95,7 @@ def crop_cache(cache: Cache, keep_length: int) -> None:
     """Roll `cache` back in place to its first `keep_length` positions (sliding layers also trim to their window).
 
     `keep_length` may not be below the length at the previous crop: a sliding layer has dropped what lies before.
+    A cache nothing was written to yet (or a layer of it) is left as it is.
     """
     current = cache_length(cache)
     if not 0 <= keep_length <= current:
@@ -116,4 +117,8 @@ def crop_cache(cache: Cache, keep_length: int) -> None:
                     f"(window {window}) holds {layer.keys.shape[-2]}, and dropped the rest. Build the cache with "
                     "new_cache (it records what a crop may need) and never crop below the previous crop."
                 )
-    cache.crop(-removed)
+    # `Cache.crop` layer by layer, skipping the layers nothing was written to yet (a draft that never ran, as when
+    # one token is asked for): transformers' sliding-window layer reads its tensors there, which do not exist yet.
+    for layer in cache.layers:
+        if getattr(layer, "is_initialized", True):
+            layer.crop(-removed)
