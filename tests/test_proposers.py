@@ -9,40 +9,22 @@ import pytest
 import torch
 
 from specdistill.decoding.engine import SpeculativeDecoder, autoregressive
-from specdistill.decoding.head_policy import AcceptanceHeadPolicy
-from specdistill.decoding.policies import (
-    ConfidenceThreshold,
-    DraftPolicy,
-    EntropyThreshold,
-    FixedLength,
-    HeuristicSchedule,
-    Oracle,
-)
+from specdistill.decoding.policies import DraftPolicy, FixedLength, HeuristicSchedule, Oracle
 from specdistill.decoding.proposers import DraftLMProposer, DraftProposal, Proposer, TargetHidden
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.decoding.stats import DecodingStats
 from specdistill.decoding.toy import toy_pair
-from specdistill.models.acceptance_head import AcceptanceHead
 from tests.lossless import exact_two_token_distribution, matches_two_token_distribution, two_token_counts
+from tests.test_engine import GREEDY, V, _all_policies, _prompts
 from tests.threads import one_thread_per_module  # noqa: F401  (autouse fixture)
 
-V = 48
-GREEDY = SamplingConfig(greedy=True)
 SAMPLING = SamplingConfig(temperature=1.0)
 TIMINGS = {"target_time_s", "draft_time_s", "wall_time_s", "oracle_probe_time_s"}
 
 
 @pytest.fixture(scope="module")
 def pair():
-    return toy_pair(V)
-
-
-def _prompts(count: int, seed: int = 0) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [
-        torch.randint(0, V, (int(torch.randint(1, 9, (), generator=gen)),), generator=gen).tolist()
-        for _ in range(count)
-    ]
+    return toy_pair(V)  # tests/test_engine.py's pair
 
 
 def _counters(stats: DecodingStats) -> dict:
@@ -155,15 +137,10 @@ class _Recording(DraftLMProposer):
         super().rollback(length)
 
 
-def _policies_without_hidden() -> dict[str, tuple[DraftPolicy, int]]:
-    return {
-        "fixed1": (FixedLength(1), 20),
-        "fixed4": (FixedLength(4), 20),
-        "heuristic": (HeuristicSchedule(initial=3), 8),
-        "confidence": (ConfidenceThreshold(0.4), 20),
-        "entropy": (EntropyThreshold(1.0), 20),
-        "oracle": (Oracle(), 6),
-    }
+def _policies_without_hidden(draft) -> dict[str, tuple[DraftPolicy, int]]:
+    """tests/test_engine.py's policies that read no draft hidden state (fixed, heuristic, confidence, entropy,
+    oracle), with the engine bound each runs under."""
+    return {name: entry for name, entry in _all_policies(draft).items() if not entry[0].needs_hidden_states}
 
 
 # ---------------------------------------------------------------------------------------------- a new draft kind
@@ -171,12 +148,12 @@ def _policies_without_hidden() -> dict[str, tuple[DraftPolicy, int]]:
 
 @pytest.mark.parametrize("kind", ["prompt_lookup", "target_linear"])
 def test_a_new_proposer_is_lossless_in_greedy_mode_for_every_policy(pair, kind):
-    target, _ = pair
+    target, draft = pair
     proposer = _PromptLookup(V, torch.device("cpu")) if kind == "prompt_lookup" else _TargetLinear(target, V)
     prompts = _prompts(4)
     references = [autoregressive(target, p, 24, GREEDY, None, V).tokens for p in prompts]
     accepted = rejected = 0
-    for name, (policy, max_draft_length) in _policies_without_hidden().items():
+    for name, (policy, max_draft_length) in _policies_without_hidden(draft).items():
         decoder = SpeculativeDecoder(
             target, proposer, policy, GREEDY, None, V, max_draft_length=max_draft_length
         )
@@ -292,7 +269,7 @@ def test_the_first_pass_covers_the_prompt_then_the_candidates(pair):
 def test_engine_keeps_the_call_order_and_never_rolls_back_below_the_previous_crop(pair, sampling):
     target, draft = pair
     eos = autoregressive(target, [6, 1], 40, GREEDY, None, V).tokens[25]
-    policies = [FixedLength(4), HeuristicSchedule(3), Oracle(), _head_policy(draft, score_newest=True)]
+    policies = [FixedLength(4), HeuristicSchedule(3), Oracle(), _all_policies(draft)["head_newest"][0]]
     for policy in policies:
         proposer = _Recording(draft, V, None)
         decoder = SpeculativeDecoder(target, proposer, policy, sampling, eos, V, max_draft_length=6)
@@ -329,28 +306,21 @@ def test_draft_lm_proposer_refuses_a_rollback_below_its_previous_one(pair):
         proposer.rollback(4)
 
 
-def _head_policy(draft, score_newest: bool = False, input: str = "candidate") -> AcceptanceHeadPolicy:
-    torch.manual_seed(0)
-    head = AcceptanceHead(draft.config.hidden_size, num_blocks=2, input=input)
-    return AcceptanceHeadPolicy(head, threshold=0.5, score_newest=score_newest)
-
-
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLING], ids=["greedy", "sampling"])
 def test_a_draft_lm_proposer_decodes_exactly_like_the_plain_draft(pair, sampling):
     target, draft = pair
-    policies = {
-        "fixed4": lambda: FixedLength(4),
-        "confidence": lambda: ConfidenceThreshold(0.4),
-        "oracle": lambda: Oracle(),
-        "head": lambda: _head_policy(draft),
-        "head_newest": lambda: _head_policy(draft, score_newest=True),
-        "head_proposer": lambda: _head_policy(draft, input="proposer"),
-    }
-    for name, make in policies.items():
-        plain = SpeculativeDecoder(target, draft, make(), sampling, None, V, max_draft_length=6)
+    names = ["fixed4", "heuristic", "confidence", "oracle", "head", "head_newest", "head_proposer"]
+    plain_policies, wrapped_policies = _all_policies(draft), _all_policies(draft)  # equal, separate state
+    for name in names:
+        policy, max_draft_length = plain_policies[name]
+        plain = SpeculativeDecoder(
+            target, draft, policy, sampling, None, V, max_draft_length=max_draft_length
+        )
         assert isinstance(plain.proposer, DraftLMProposer) and plain.proposer.model is draft
+        proposer = DraftLMProposer(draft, V)
+        policy = wrapped_policies[name][0]
         wrapped = SpeculativeDecoder(
-            target, DraftLMProposer(draft, V), make(), sampling, None, V, max_draft_length=6
+            target, proposer, policy, sampling, None, V, max_draft_length=max_draft_length
         )
         for prompt in _prompts(2, seed=4):
             a = plain.generate(prompt, 20, torch.Generator().manual_seed(2), keep_state=True)
