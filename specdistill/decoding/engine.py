@@ -1,22 +1,27 @@
 """Lossless speculative decoding (batch size 1) and the autoregressive baseline it is measured against.
 
-One round: the draft proposes candidates d_1..d_k, the target scores
-`[pending tokens, d_1..d_k]` in one forward pass, candidates are tested left to right and the round emits the
-accepted prefix plus one target token (the residual sample at the first rejection, or the bonus token when all
-are accepted). Sampling mode accepts d_i with probability min(1, p(d_i) / q(d_i)) and resamples from
-norm(max(0, p - q)); greedy mode accepts iff d_i is the target's argmax. Both are exact: the output has the
-target's (warped) distribution, token for token equal to the target's own greedy output in greedy mode.
+One round: the proposer (`specdistill/decoding/proposers/`; a plain draft LM by default) proposes candidates
+d_1..d_k, the target scores `[pending tokens, d_1..d_k]` in one forward pass, candidates are tested left to right
+and the round emits the accepted prefix plus one target token (the residual sample at the first rejection, or the
+bonus token when all are accepted). Sampling mode accepts d_i with probability min(1, p(d_i) / q(d_i)) and
+resamples from norm(max(0, p - q)); greedy mode accepts iff d_i is the target's argmax. Both are exact: the output
+has the target's (warped) distribution, token for token equal to the target's own greedy output in greedy mode.
 
 Draft length: the engine alone enforces the bounds. It asks the `DraftPolicy` "stop?" after every candidate and ends
 drafting after candidate `index` when `index >= policy.min_draft_length` and the policy says stop, when `index`
 reaches its cap `min(max_draft_length, remaining budget - 1)` (a round emits at most k + 1 tokens), or when the
 candidate is EOS.
 
-Cache invariant: at the start of a round both KV caches cover a prefix of the sequence that is at most `n - 1`
-tokens long (`n` = prompt + generated), so the tokens they have not seen are fed next; after verification the
-caches are cropped to the accepted prefix, never recomputed, and never below the previous crop. The first round
-therefore prefills the prompt. The caches come from `specdistill.models.cache.new_cache` (`cache_implementation`:
-dynamic or static), which can roll back sliding-window and hybrid layouts too (Mistral, Qwen2, Gemma-2).
+Cache invariant: at the start of a round the target's KV cache and the proposer's state cover a prefix of the
+sequence that is at most `n - 1` tokens long (`n` = prompt + generated), so the tokens they have not seen are fed
+next; after verification both are cropped to the accepted prefix (`Proposer.rollback`), never recomputed, and never
+below the previous crop. The first round therefore prefills the prompt. The caches come from
+`specdistill.models.cache.new_cache` (`cache_implementation`: dynamic or static), which can roll back sliding-window
+and hybrid layouts too (Mistral, Qwen2, Gemma-2).
+
+Drafting is the proposer's (`specdistill/decoding/proposers/base.py` states the contract); everything else is the
+engine's. A proposer that sets `target_hidden_layers` gets the target's hidden states of the verified positions
+from the verification pass itself (run with `output_hidden_states=True` only then).
 
 Oracle policies (`needs_oracle`) get `DraftStep.will_accept` from a target probe that runs on the real target
 cache and is cropped away before the real verification; its time and forward passes are excluded from the
@@ -34,17 +39,13 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
+from specdistill.decoding.forward import forward_keep_last, model_device
 from specdistill.decoding.policies import DraftPolicy, DraftStep
+from specdistill.decoding.proposers import DraftLMProposer, DraftProposal, Proposer, TargetHidden
+from specdistill.decoding.proposers.base import check_vocab_size
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.decoding.stats import DecodingStats
-from specdistill.models.acceptance_head import draft_logits
-from specdistill.models.cache import (
-    CACHE_IMPLEMENTATIONS,
-    crop_cache,
-    forward_with_cache,
-    new_cache,
-    takes_logits_to_keep,
-)
+from specdistill.models.cache import CACHE_IMPLEMENTATIONS, crop_cache, new_cache
 from specdistill.models.loading import is_placed_across_devices
 from specdistill.models.vocab import check_model_covers_vocab
 
@@ -55,7 +56,8 @@ class DecodeState:
 
     Attributes:
         tokens: `(1, n)` prompt followed by the generated tokens.
-        target_cache / draft_cache: the KV caches, covering `target_length` / `draft_length` leading tokens.
+        target_cache / draft_cache: the target's KV cache and the proposer's (`Proposer.cache`, None for a
+            proposer without one), covering `target_length` / `draft_length` leading tokens.
     """
 
     tokens: torch.Tensor
@@ -87,20 +89,6 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     residual = (p - q).clamp_min_(0.0)
     mass = residual.sum()
     return torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)
-
-
-def _forward(model: torch.nn.Module, ids: torch.Tensor, cache: Cache | None, keep: int, hidden: bool = False):
-    """Forward `ids: (1, T)` continuing `cache`; only the last `keep` positions' logits are computed if supported."""
-    kwargs = {}
-    if takes_logits_to_keep(type(model)):
-        kwargs["logits_to_keep"] = keep
-    if hidden:
-        kwargs["output_hidden_states"] = True
-    return forward_with_cache(model, ids, cache, **kwargs)
-
-
-def _model_device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
 
 
 def _sync(device: torch.device) -> None:
@@ -170,34 +158,26 @@ def _check_cache_implementation(implementation: str) -> None:
 
 
 class _Sequence:
-    """Mutable state of one generation: token buffer, length, caches, counters."""
+    """Mutable state of one generation: token buffer, length, target cache, counters."""
 
-    def __init__(
-        self, prompt: torch.Tensor, capacity: int, target_cache: Cache, draft_cache: Cache | None
-    ) -> None:
+    def __init__(self, prompt: torch.Tensor, capacity: int, target_cache: Cache) -> None:
         self.buf = torch.empty(1, capacity, dtype=torch.long, device=prompt.device)
         self.buf[0, : prompt.numel()] = prompt
         self.prompt_length = prompt.numel()
         self.n = prompt.numel()
         self.target_cache = target_cache
         self.target_length = 0
-        self.draft_cache = draft_cache
-        self.draft_length = 0
         self.finished = False
         self.stats = DecodingStats(sequences=1)
 
-    def result(self, keep_state: bool) -> GenerationResult:
+    def result(self, keep_state: bool, proposer: Proposer | None = None) -> GenerationResult:
         tokens = self.buf[0, self.prompt_length : self.n].tolist()
         self.stats.generated_tokens = len(tokens)
         state = None
         if keep_state:
-            state = DecodeState(
-                self.buf[:, : self.n].clone(),
-                self.target_cache,
-                self.target_length,
-                self.draft_cache,
-                self.draft_length,
-            )
+            state = DecodeState(self.buf[:, : self.n].clone(), self.target_cache, self.target_length)
+            if proposer is not None:
+                state.draft_cache, state.draft_length = proposer.cache, proposer.length
         return GenerationResult(tokens, self.stats, state)
 
 
@@ -227,16 +207,18 @@ def autoregressive(
     check_model_covers_vocab("target", target, vocab_size)
     _check_max_new_tokens(max_new_tokens)
     _check_cache_implementation(cache_implementation)
-    device = _model_device(target)
+    device = model_device(target)
     _check_generator(generator, sampling, device)
     eos = _eos_set(eos_token_id)
     prompt = _prompt_tensor(prompt_ids, device, vocab_size)
     capacity = prompt.numel() + max_new_tokens
-    seq = _Sequence(prompt, capacity, new_cache(target, cache_implementation, capacity), None)
+    seq = _Sequence(prompt, capacity, new_cache(target, cache_implementation, capacity))
     greedy = sampling.is_greedy
     start = time.perf_counter()
     while seq.n - seq.prompt_length < max_new_tokens and not seq.finished:
-        out, seq.target_cache = _forward(target, seq.buf[:, seq.target_length : seq.n], seq.target_cache, 1)
+        out, seq.target_cache = forward_keep_last(
+            target, seq.buf[:, seq.target_length : seq.n], seq.target_cache, 1
+        )
         seq.target_length = seq.n
         crop_cache(seq.target_cache, seq.target_length)  # keeps sliding-window layers at their window
         seq.stats.target_forwards += 1
@@ -254,26 +236,67 @@ def autoregressive(
     return seq.result(keep_state=False)
 
 
+def _as_proposer(draft: Proposer | torch.nn.Module, vocab_size: int) -> Proposer:
+    """`draft` itself if it is a `Proposer`, a `DraftLMProposer` around it if it is a causal LM."""
+    if isinstance(draft, Proposer):
+        if draft.vocab_size != vocab_size:
+            raise ValueError(
+                f"{type(draft).__name__}.vocab_size is {draft.vocab_size!r} but the engine's vocab_size is "
+                f"{vocab_size}: build the proposer with the tokenizer's len(tokenizer)."
+            )
+        return draft
+    if isinstance(draft, torch.nn.Module):
+        return DraftLMProposer(draft, vocab_size)
+    raise ValueError(
+        f"draft must be a causal LM (torch.nn.Module) or a Proposer (specdistill.decoding.proposers), "
+        f"got {type(draft).__name__}"
+    )
+
+
+def _check_target_hidden_layers(proposer: Proposer, target: torch.nn.Module) -> tuple[int, ...] | None:
+    """The proposer's `target_hidden_layers`, checked against the target's `output_hidden_states` tuple."""
+    layers = proposer.target_hidden_layers
+    if layers is None:
+        return None
+    count = target.config.get_text_config(decoder=True).num_hidden_layers + 1  # embeddings, then every layer
+    if (
+        not isinstance(layers, tuple)
+        or not layers
+        or any(not _is_int_at_least(i, -count) or i >= count for i in layers)
+    ):
+        raise ValueError(
+            f"{type(proposer).__name__}.target_hidden_layers must be None or a non-empty tuple of ints in "
+            f"[-{count}, {count - 1}] (indices into the target's {count} output_hidden_states), got {layers!r}"
+        )
+    return layers
+
+
 class SpeculativeDecoder:
     """Speculative decoding of one sequence at a time with a draft-length policy.
 
     Args:
         target: the large causal LM whose distribution is reproduced exactly.
-        draft: the small causal LM proposing candidates (same tokenizer).
+        draft: what proposes the candidates (same tokenizer): a `Proposer`, or a small causal LM, which the engine
+            drafts with through a `DraftLMProposer`.
         policy: decides within each round when the draft stops proposing (see `DraftPolicy`).
         sampling: warping applied identically to draft and target; greedy or temperature 0 for argmax decoding.
         eos_token_id: id (or ids) that end generation; None for none.
         vocab_size: the tokenizer's real vocabulary: logits are compared on `[..., :vocab_size]` only.
         max_draft_length: most candidates per round (20 as in SpecDec++), further capped by the remaining token
             budget; must be >= the policy's `min_draft_length`. The only upper bound on the draft length.
-        cache_implementation: `"dynamic"` (default) or `"static"` KV caches for both models
+        cache_implementation: `"dynamic"` (default) or `"static"` KV caches for the target and the proposer
             (`specdistill.models.cache.new_cache`).
+
+    Attributes:
+        proposer: the `Proposer` that drafts (`draft` itself, or the `DraftLMProposer` around it).
+        device: the proposer's device, where the sequence, the generator and (unless placed with a device_map) the
+            target live.
     """
 
     def __init__(
         self,
         target: torch.nn.Module,
-        draft: torch.nn.Module,
+        draft: Proposer | torch.nn.Module,
         policy: DraftPolicy,
         sampling: SamplingConfig,
         eos_token_id: int | Sequence[int] | None,
@@ -282,15 +305,15 @@ class SpeculativeDecoder:
         max_draft_length: int = 20,
         cache_implementation: str = "dynamic",
     ) -> None:
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
-            raise ValueError(f"vocab_size must be a positive int (len(tokenizer)), got {vocab_size!r}")
+        check_vocab_size(vocab_size)
         check_model_covers_vocab("target", target, vocab_size)
-        check_model_covers_vocab("draft", draft, vocab_size)
+        self.proposer = _as_proposer(draft, vocab_size)
+        self._target_hidden_layers = _check_target_hidden_layers(self.proposer, target)
         # A target placed across devices (device_map) takes its inputs anywhere and returns its logits there.
-        self.device = _model_device(draft)
-        if not is_placed_across_devices(target) and _model_device(target) != self.device:
+        self.device = self.proposer.device
+        if not is_placed_across_devices(target) and model_device(target) != self.device:
             raise ValueError(
-                f"draft is on {self.device} but target on {_model_device(target)}: put both on one device "
+                f"the draft is on {self.device} but the target on {model_device(target)}: put both on one device "
                 "(or load the target with a device_map)."
             )
         if not isinstance(policy, DraftPolicy):
@@ -307,12 +330,10 @@ class SpeculativeDecoder:
         self.cache_implementation = cache_implementation
         self.max_draft_length = max_draft_length
         self.target = target
-        self.draft = draft
         self.policy = policy
         self.sampling = sampling
         self.eos = _eos_set(eos_token_id)
         self.vocab_size = vocab_size
-        self._hidden_checked = False
 
     # ------------------------------------------------------------------ public
 
@@ -337,12 +358,8 @@ class SpeculativeDecoder:
         prompt = _prompt_tensor(prompt_ids, self.device, self.vocab_size)
         max_k = self.max_draft_length
         capacity = prompt.numel() + max_new_tokens + max_k + 2
-        seq = _Sequence(
-            prompt,
-            capacity,
-            new_cache(self.target, self.cache_implementation, capacity),
-            new_cache(self.draft, self.cache_implementation, capacity),
-        )
+        seq = _Sequence(prompt, capacity, new_cache(self.target, self.cache_implementation, capacity))
+        self.proposer.start(seq.buf[:, : seq.prompt_length], capacity, self.cache_implementation)
         self.policy.reset(max_k)
         start = time.perf_counter()
         excluded = 0.0
@@ -353,13 +370,14 @@ class SpeculativeDecoder:
         _sync(self.device)
         seq.stats.wall_time_s = time.perf_counter() - start - excluded
         seq.stats.oracle_probe_time_s = excluded
-        return seq.result(keep_state)
+        seq.stats.draft_forwards = self.proposer.forwards
+        return seq.result(keep_state, self.proposer)
 
     # ------------------------------------------------------------------ one round
 
     def _round(self, seq: _Sequence, k_cap: int, generator: torch.Generator | None) -> float:
         """Draft, verify, emit, crop. Returns the seconds spent probing for an oracle (excluded from timings)."""
-        policy = self.policy
+        policy, proposer = self.policy, self.proposer
         policy.begin_round()
         greedy = self.sampling.is_greedy
         n = seq.n
@@ -378,8 +396,15 @@ class SpeculativeDecoder:
         seq.stats.draft_time_s += t1 - t0 - probe_s
 
         k = num_candidates - int(withdrawn)  # candidates sent to the target
-        out, seq.target_cache = _forward(
-            self.target, seq.buf[:, seq.target_length : n + k], seq.target_cache, k + 1
+        verified_start = seq.target_length
+        layers = self._target_hidden_layers
+        # The hidden states are asked for only when the proposer reads them: the usual forward stays as it was.
+        out, seq.target_cache = forward_keep_last(
+            self.target,
+            seq.buf[:, verified_start : n + k],
+            seq.target_cache,
+            k + 1,
+            hidden=layers is not None,
         )
         seq.stats.target_forwards += 1
         seq.target_length = n + k
@@ -412,10 +437,17 @@ class SpeculativeDecoder:
         # Keep only what both models saw of the accepted prefix; caches must stay shorter than the sequence.
         seq.target_length = min(seq.target_length, n + min(accepted, k), seq.n - 1)
         crop_cache(seq.target_cache, seq.target_length)
-        seq.draft_length = min(seq.draft_length, n + accepted, seq.n - 1)
-        crop_cache(seq.draft_cache, seq.draft_length)
+        observe_s = 0.0
+        if layers is not None:  # the proposer's reading of the target states is drafting work: timed as such
+            t2 = time.perf_counter()
+            states = tuple(out.hidden_states[i][0] for i in layers)
+            proposer.observe_target(TargetHidden(verified_start, states, k, accepted, seq.target_length))
+            _sync(self.device)
+            observe_s = time.perf_counter() - t2
+            seq.stats.draft_time_s += observe_s
+        proposer.rollback(min(proposer.length, n + accepted, seq.n - 1))
         _sync(self.device)
-        seq.stats.target_time_s += time.perf_counter() - t1
+        seq.stats.target_time_s += time.perf_counter() - t1 - observe_s
         return probe_s
 
     def _draft(
@@ -429,22 +461,19 @@ class SpeculativeDecoder:
         """
         if k_cap <= 0:
             return 0, False, [], 0.0, None
-        policy, greedy, n = self.policy, self.sampling.is_greedy, seq.n
+        policy, proposer, greedy, n = self.policy, self.proposer, self.sampling.is_greedy, seq.n
         need_hidden, feed_newest, oracle = policy.needs_hidden_states, policy.feed_newest, policy.needs_oracle
         q_rows: list[torch.Tensor] = []
         probe_s = 0.0
         probe_length = seq.target_length if oracle else None
 
-        logits, hidden, seq.draft_cache = self._draft_forward(
-            seq.buf[:, seq.draft_length : n], seq.draft_cache, need_hidden
-        )
-        seq.draft_length = n
-        seq.stats.draft_forwards += 1
+        proposal: DraftProposal = proposer.propose(seq.buf[:, :n], need_hidden)
         index = 0
         withdrawn = False
         while True:
             index += 1
             pos = n + index - 1
+            logits = proposal.logits
             probs = self.sampling.policy_probs(logits)
             if greedy:
                 token_t = logits.argmax()
@@ -453,14 +482,10 @@ class SpeculativeDecoder:
                 q_rows.append(probs)
             seq.buf[0, pos] = token_t
             token = int(token_t)
-            step_hidden = hidden
+            step_hidden = proposal.hidden
             if feed_newest:
-                logits, hidden, seq.draft_cache = self._draft_forward(
-                    seq.buf[:, pos : pos + 1], seq.draft_cache, need_hidden
-                )
-                seq.draft_length = pos + 1
-                seq.stats.draft_forwards += 1
-                step_hidden = hidden
+                proposal = proposer.propose(seq.buf[:, : pos + 1], need_hidden)
+                step_hidden = proposal.hidden
             will_accept = None
             if oracle:
                 p0 = time.perf_counter()
@@ -474,41 +499,7 @@ class SpeculativeDecoder:
             if policy_stop or index >= k_cap or token in self.eos:
                 return index, withdrawn, q_rows, probe_s, probe_length
             if not feed_newest:
-                logits, hidden, seq.draft_cache = self._draft_forward(
-                    seq.buf[:, pos : pos + 1], seq.draft_cache, need_hidden
-                )
-                seq.draft_length = pos + 1
-                seq.stats.draft_forwards += 1
-
-    def _draft_forward(self, ids: torch.Tensor, cache: Cache, need_hidden: bool):
-        """Run the draft on `ids`; return the last position's logits on the real vocabulary `(V,)`, its last hidden
-        state `(H,)` if asked (else None), and the cache.
-
-        Hidden states come from the base model followed by the draft's LM head (`draft_logits`): asking transformers
-        for `output_hidden_states` costs more than the head that reads them on small drafts. The first call checks,
-        once, that this equals the model's own forward.
-        """
-        if not need_hidden:
-            out, cache = _forward(self.draft, ids, cache, 1)
-            return out.logits[0, -1, : self.vocab_size], None, cache
-        if not self._hidden_checked:
-            out, cache = _forward(self.draft, ids, cache, 1, hidden=True)
-            self._check_hidden_is_final(out.hidden_states[-1][0, -1:], out.logits[0, -1:])
-            return out.logits[0, -1, : self.vocab_size], out.hidden_states[-1][0, -1], cache
-        out, cache = forward_with_cache(self.draft.base_model, ids, cache)
-        hidden = out.last_hidden_state[0, -1]
-        return draft_logits(self.draft, hidden)[: self.vocab_size], hidden, cache
-
-    def _check_hidden_is_final(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
-        """hidden_states[-1] must be the state the LM head reads (after the final norm), or policies get garbage."""
-        recomputed = draft_logits(self.draft, hidden)
-        if not torch.allclose(recomputed.float(), logits.float(), rtol=1e-3, atol=1e-3):
-            raise ValueError(
-                f"{type(self.draft).__name__}: output_hidden_states[-1] is not the final-norm state the LM head "
-                "reads, so hidden-state policies would score the wrong features. Use a draft architecture whose "
-                "last hidden state is post-norm (GPT-NeoX, Llama, Qwen2, Gemma2 in transformers >= 5)."
-            )
-        self._hidden_checked = True
+                proposal = proposer.propose(seq.buf[:, : pos + 1], need_hidden)
 
     # ------------------------------------------------------------------ verification
 
@@ -572,7 +563,9 @@ class SpeculativeDecoder:
         Runs on the real target cache (cropped back by the caller); nothing here is counted or timed.
         """
         end = seq.n + index - 1
-        out, seq.target_cache = _forward(self.target, seq.buf[:, probe_length:end], seq.target_cache, 1)
+        out, seq.target_cache = forward_keep_last(
+            self.target, seq.buf[:, probe_length:end], seq.target_cache, 1
+        )
         logits = out.logits[0, -1, : self.vocab_size]
         if self.sampling.is_greedy:
             return int(logits.argmax()) == token, end

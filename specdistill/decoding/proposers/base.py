@@ -1,0 +1,159 @@
+"""The proposer contract: what the speculative-decoding engine asks of whatever drafts its candidates.
+
+The engine (`specdistill/decoding/engine.py`) owns the sequence, verification, acceptance, the target cache, every
+bound on the draft length (the policy's minimum, `max_draft_length`, the remaining budget, EOS), the oracle probe,
+timing and `DecodingStats`. A `Proposer` owns drafting only: its own state (KV caches built with
+`specdistill.models.cache.new_cache`, n-gram tables, ...) and the draft distribution of the next token. A new draft
+kind (a draft LM, an EAGLE-style head on the target's hidden states, prompt lookup) is a new `Proposer`; the engine
+does not change.
+
+Call order, for each generated sequence:
+
+1. `start(prompt, capacity, cache_implementation)` once, before anything else of that sequence. It resets the
+   proposer's state (`length` becomes 0, `forwards` 0); it need not process the prompt, which the first `propose`
+   hands over anyway.
+2. Every round: `propose(tokens, with_hidden)` once at the start of drafting, with `tokens` the sequence so far,
+   then once more per candidate the engine wants fed back, with `tokens` extended by that candidate. The engine
+   samples candidate `index` from the logits of the latest `propose`. A round that may draft nothing (the token
+   budget is spent) calls `propose` not at all.
+3. After every verification, only when `target_hidden_layers` is not None: `observe_target(TargetHidden)`, with the
+   target's hidden states of the positions that verification pass computed.
+4. After every verification (also of a round without candidates): `rollback(length)`.
+
+Cache invariant: `length` is the number of leading sequence tokens the proposer's state covers. The engine never
+changes a token the proposer covers: between a `propose` and the next `rollback`, `tokens[:, :length]` stays what
+the proposer saw. In `propose(tokens)` the proposer consumes `tokens[:, length:]` (at least one token: the engine
+keeps every state at most `n - 1` tokens long, so the newest token is always new) and afterwards covers at most
+`tokens.shape[1]` tokens (a draft LM covers them all). `rollback(length)` keeps the first `length` tokens (the
+accepted prefix the engine keeps) and forgets the rest: `length <= self.length` and `length >=` the length of the
+previous `rollback` of this sequence (a sliding-window cache has dropped what lies before it, see
+`specdistill.models.cache.crop_cache`), so rollbacks are crops, never recomputations.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache
+
+
+def check_vocab_size(vocab_size: int) -> None:
+    """`vocab_size` must be a positive int: the tokenizer's real vocabulary, `len(tokenizer)`."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"vocab_size must be a positive int (len(tokenizer)), got {vocab_size!r}")
+
+
+@dataclass
+class DraftProposal:
+    """The draft's view of the next token, after the proposer consumed `tokens` (`end = tokens.shape[1]`).
+
+    Attributes:
+        logits: `(V,)` unwarped draft logits of the token at position `end`, on the real vocabulary (`V` =
+            `vocab_size`). The engine warps them exactly as the target's and samples the candidate from them.
+        hidden: `(H,)` the hidden state an acceptance head reads when `propose(..., with_hidden=True)`, else None.
+            For a draft LM it is the last hidden state after the final norm (what its LM head reads), whose input
+            is the token at position `end - 1` and from which `logits` are computed.
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None = None
+
+
+@dataclass
+class TargetHidden:
+    """The target's hidden states of the tokens one verification pass ran on (for `observe_target`).
+
+    Attributes:
+        start: sequence position of the first row (the target cache length before the pass).
+        states: one `(T, H_target)` tensor per entry of the proposer's `target_hidden_layers`, in that order: row
+            `i` is the state whose input is the token at position `start + i` (the state the target's LM head reads
+            to score position `start + i + 1`, for the last layer).
+        num_candidates: the last `num_candidates` rows belong to this round's candidates (positions `n .. n + k -
+            1`, `n` the sequence length before the round); the rows before them to tokens already in the sequence.
+        accepted: how many candidates the target accepted (the engine's count: a withdrawn candidate accepted after
+            all counts, so it may be `num_candidates + 1`; only `num_candidates` of them have a row).
+        verified_length: rows of positions below it belong to tokens that stay in the sequence; the target cache is
+            cropped to it after the round. Rows at or after it (rejected candidates, tokens past EOS) are stale.
+    """
+
+    start: int
+    states: tuple[torch.Tensor, ...]
+    num_candidates: int
+    accepted: int
+    verified_length: int
+
+
+class Proposer(abc.ABC):
+    """Drafts candidates for `SpeculativeDecoder`, one token at a time; see the module docstring for the contract.
+
+    Attributes:
+        vocab_size: the tokenizer's real vocabulary; `DraftProposal.logits` has this many entries. The engine
+            refuses a proposer whose `vocab_size` differs from its own.
+        target_hidden_layers: indices into the target's `output_hidden_states` tuple (0: the embeddings, `i`: after
+            layer `i`, -1: the last, after the final norm) whose states this proposer reads, or None (default) for
+            none. When set, verification runs the target with `output_hidden_states=True` and calls
+            `observe_target` after every round; when None the target forward stays as cheap as without proposers.
+        forwards: forward passes (of whatever model the proposer runs) since `start`; the engine reports it as
+            `DecodingStats.draft_forwards`. Subclasses reset it in `start` and count in `propose`.
+    """
+
+    vocab_size: int
+    target_hidden_layers: tuple[int, ...] | None = None
+    forwards: int = 0
+
+    @property
+    @abc.abstractmethod
+    def device(self) -> torch.device:
+        """Where the proposer computes: the sequence's tokens and the generator live here (the target too, unless
+        it is placed across devices with a device_map)."""
+
+    @property
+    @abc.abstractmethod
+    def length(self) -> int:
+        """Leading sequence tokens the proposer's state covers (its cache length)."""
+
+    @property
+    def cache(self) -> Cache | None:
+        """The proposer's KV cache, if it has one (exposed in `DecodeState.draft_cache` for tests); default None."""
+        return None
+
+    @abc.abstractmethod
+    def start(self, prompt: torch.Tensor, capacity: int, cache_implementation: str) -> None:
+        """Begin a new sequence: forget the previous one, build fresh state, `length` and `forwards` become 0.
+
+        Args:
+            prompt: `(1, P)` prompt ids on `device` (the first `propose` passes them again).
+            capacity: most positions the sequence will reach (prompt, output and one round's candidates), the
+                `max_length` of a static cache.
+            cache_implementation: `"dynamic"` or `"static"` (`specdistill.models.cache.new_cache`), the same as
+                the target's.
+        """
+
+    @abc.abstractmethod
+    def propose(self, tokens: torch.Tensor, with_hidden: bool) -> DraftProposal:
+        """Consume `tokens[:, length:]` and return the draft's view of the token at position `tokens.shape[1]`.
+
+        Args:
+            tokens: `(1, end)` the sequence so far (prompt, accepted tokens, this round's candidates), on `device`.
+            with_hidden: also return `DraftProposal.hidden` (the policy reads it: `needs_hidden_states`).
+        """
+
+    def observe_target(self, verified: TargetHidden) -> None:
+        """Receive the target's hidden states of a verification pass (only when `target_hidden_layers` is set).
+
+        Called after every verification, before `rollback`. A proposer that sets `target_hidden_layers` overrides
+        it; the default refuses, so a forgotten override is an error rather than states silently dropped.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} sets target_hidden_layers = {self.target_hidden_layers!r} but does not "
+            "override observe_target: implement it (or set target_hidden_layers to None)."
+        )
+
+    @abc.abstractmethod
+    def rollback(self, length: int) -> None:
+        """Keep the state of the first `length` tokens only (`previous rollback's length <= length <= self.length`).
+
+        Called after every verification with the accepted prefix the engine keeps; afterwards `self.length == length`.
+        """
