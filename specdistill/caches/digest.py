@@ -39,7 +39,7 @@ def weights_digest(model: nn.Module) -> str:
     named.update(model.named_buffers(remove_duplicate=False))
     digest = hashlib.sha256()
     for name in sorted(named):
-        tensor = named[name].detach()
+        tensor = named[name]
         if hasattr(tensor, "ds_id"):  # a ZeRO-3 parameter: this rank holds a slice, not the weight
             raise ValueError(
                 f"{name} of this {type(model).__name__} is partitioned by DeepSpeed ZeRO-3, so its bytes are not "
@@ -49,7 +49,7 @@ def weights_digest(model: nn.Module) -> str:
         header = f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0"
         digest.update(header.encode())
         # viewed as bytes, so every dtype (bf16 has no numpy type) hashes its exact bit pattern
-        data = tensor.cpu().contiguous().reshape(-1).view(torch.uint8)
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
         digest.update(memoryview(data.numpy()))
     return digest.hexdigest()
 

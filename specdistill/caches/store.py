@@ -73,7 +73,9 @@ def load_tables(path: str | Path, names: list[str]) -> dict[str, datasets.Datase
     return {name: datasets.load_from_disk(str(Path(path) / name)) for name in names}
 
 
-def build_or_reuse(cache: SharedPass, reuse: bool = True) -> tuple[dict[str, Any], dict[str, datasets.Dataset]]:
+def build_or_reuse(
+    cache: SharedPass, reuse: bool = True
+) -> tuple[dict[str, Any], dict[str, datasets.Dataset]]:
     """Reuse the cache when its stored key matches (and `reuse`), else compute it with every rank; see module doc.
 
     Returns:

@@ -320,7 +320,15 @@ class CacheOnceTarget(CachedTarget, FitStartCache):
         return self._frozen is None
 
     def prepare(self, fit_start: FitStart) -> None:
-        cache = _TargetPass(self.path, self._frozen, fit_start.trainer, self._key, self._datamodule, CHUNK_SIZE, MAX_SHARD_SIZE)
+        cache = _TargetPass(
+            self.path,
+            self._frozen,
+            fit_start.trainer,
+            self._key,
+            self._datamodule,
+            CHUNK_SIZE,
+            MAX_SHARD_SIZE,
+        )
         self.key, tables = build_or_reuse(cache)
         self._splits = {split: tables[split].with_format("numpy") for split in self.key["data"]}
         self._frozen = self._datamodule = None

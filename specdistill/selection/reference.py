@@ -166,7 +166,13 @@ class ScoreOnceReference(CachedReferenceScores, FitStartCache):
                 "pass the target model (or its Frozen holder) as ScoreOnceReference(..., target=)"
             )
         scores = _ReferencePass(
-            self.path, target, self._frozen, fit_start.trainer, self.datamodule, self.divergence, self.vocab_size
+            self.path,
+            target,
+            self._frozen,
+            fit_start.trainer,
+            self.datamodule,
+            self.divergence,
+            self.vocab_size,
         )
         _, tables = build_or_reuse(scores)
         self.datamodule.attach_column("train", CACHED_COLUMN, _rows(tables))
@@ -213,9 +219,13 @@ class _ReferencePass(SharedPass):
 
     def compute(self, name: str, rank: int, world_size: int) -> datasets.Dataset:
         reference, target = placed(self.reference, self.trainer), placed(self.target, self.trainer)
-        log.info("scoring %d train examples with the reference (once, %d rank(s))", self.sizes()[name], world_size)
+        log.info(
+            "scoring %d train examples with the reference (once, %d rank(s))", self.sizes()[name], world_size
+        )
         loader = self.datamodule.scoring_dataloader(name)
-        sharded = is_sharded(loader)  # a datamodule attached to a multi-device Trainer gives each rank its share
+        sharded = is_sharded(
+            loader
+        )  # a datamodule attached to a multi-device Trainer gives each rank its share
         scores = score_reference(
             target, reference, loader, self.divergence, self.vocab_size,
             rank=0 if sharded else rank, world_size=1 if sharded else world_size, progress=True,
