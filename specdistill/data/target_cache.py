@@ -7,8 +7,9 @@ row-major like `answer_mask`), the m largest log-probabilities on the real vocab
 remaining tail mass (`specdistill.losses.sparse.top_m`). Storage: one `datasets` dataset per split under
 `path/<split>` (arrow shards of at most `max_shard_size`; keep it beside the tokenised dataset) with columns
 `example_id`, `log_probs` (n_i * m float32), `token_ids` (n_i * m int32) and `tail_mass` (n_i float32), and
-`path/specdistill_target_cache.json` holding the key: the model's identity, the tokenizer's fingerprint, each
-tokenised split's fingerprint, the vocabulary size and m.
+`path/specdistill_target_cache.json` holding the key: the model's identity (its config and a digest of every weight,
+`specdistill.caches.weights_digest`), the tokenizer's fingerprint, each tokenised split's fingerprint, the vocabulary
+size and m. Computing, merging across ranks and reusing go through `specdistill.caches.build_or_reuse`.
 
 `CachedTarget.load(path, model=..., tokenizer=..., datamodule=...)` refuses a cache made from another model,
 tokenizer or dataset (naming which one differs) and serves `rows(batch, answer_mask, split) -> SparseRows` by
@@ -20,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,23 +30,32 @@ import numpy as np
 import torch
 from torch import nn
 
+from specdistill.caches.digest import weights_digest
+from specdistill.caches.fit_start import FitStart, FitStartCache
+from specdistill.caches.store import SharedPass, build_or_reuse, load_tables
 from specdistill.losses.answers import answer_mask
 from specdistill.losses.rows import answer_rows
 from specdistill.losses.sparse import SparseRows, top_m
-from specdistill.models.frozen import Frozen
-from specdistill.utils.distributed import batches_of_rank, is_sharded, rank_and_world_size
+from specdistill.models.frozen import Frozen, placed
+from specdistill.utils.distributed import batches_of_rank, is_sharded
 
 log = logging.getLogger(__name__)
 
 KEY_FILE = "specdistill_target_cache.json"
+CHUNK_SIZE = 1024  # answer rows projected to logits at once
+MAX_SHARD_SIZE = "500MB"  # arrow shard size on disk
 
 
-def model_identity(model: nn.Module) -> str:
-    """sha256 of the model's config and output-layer weights: what the cache's top-m depends on most directly, cheap
-    to compute even for a large target (the whole body is not hashed)."""
+def model_identity(model: nn.Module, weights: str | None = None) -> str:
+    """sha256 of the model's config and of every one of its weights (`specdistill.caches.weights_digest`): a target
+    whose body changed, or one retrained into the same directory, has another identity.
+
+    Args:
+        model: the target, its weights whole (take the identity before a ZeRO-3 placement partitions them).
+        weights: its `weights_digest`, when already taken (`Frozen.weights_digest()`); computed here when None.
+    """
     digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
-    weight = model.get_output_embeddings().weight.detach().float().cpu().contiguous()
-    digest.update(weight.numpy().tobytes())
+    digest.update((weights or weights_digest(model)).encode())
     return digest.hexdigest()
 
 
@@ -69,6 +78,47 @@ def cache_key(
     }
 
 
+def _check_m(m: int, vocab_size: int) -> None:
+    if not 1 <= m <= vocab_size:
+        raise ValueError(f"m must lie in [1, vocab_size={vocab_size}] cached tokens per position, got {m}")
+
+
+class _TargetPass(SharedPass):
+    """The target cache as a `SharedPass`: one table per split, the target's top-m rows of each example.
+
+    `target` is the model, or its `Frozen` holder, placed on `trainer`'s devices only when the pass runs."""
+
+    key_file = KEY_FILE
+
+    def __init__(
+        self,
+        path: Path,
+        target: nn.Module | Frozen,
+        trainer: Any,
+        key: dict[str, Any],
+        datamodule: Any,
+        chunk_size: int,
+        max_shard_size: str | None,
+    ) -> None:
+        self.path, self.target, self.trainer, self._key = path, target, trainer, key
+        self.datamodule, self.chunk_size, self.max_shard_size = datamodule, chunk_size, max_shard_size
+
+    def key(self) -> dict[str, Any]:
+        return self._key
+
+    def sizes(self) -> dict[str, int]:
+        return {split: len(self.datamodule.tokenized(split)) for split in self._key["data"]}
+
+    @torch.no_grad()
+    def compute(self, name: str, rank: int, world_size: int) -> datasets.Dataset:
+        target = placed(self.target, self.trainer)
+        target.eval()
+        args = (self._key["vocab_size"], self._key["m"], self.chunk_size, rank, world_size)
+        part = _score_split(target, self.datamodule, name, *args)
+        log.info("cached the target's top-%d distributions of %s (this rank's share)", self._key["m"], name)
+        return part
+
+
 @torch.no_grad()
 def build_target_cache(
     path: str | Path,
@@ -77,8 +127,8 @@ def build_target_cache(
     datamodule: Any,
     vocab_size: int,
     m: int = 64,
-    chunk_size: int = 1024,
-    max_shard_size: str = "500MB",
+    chunk_size: int = CHUNK_SIZE,
+    max_shard_size: str = MAX_SHARD_SIZE,
     splits: tuple[str, ...] = ("train", "validation"),
     identity: str | None = None,
 ) -> CachedTarget:
@@ -86,7 +136,8 @@ def build_target_cache(
 
     When a process group is running (a Trainer's strategy), the ranks share the pass: each scores its share of the
     batches (`specdistill.utils.distributed`), writes its part beside the cache, and rank 0 merges the parts into
-    the one cache (refusing a lost example) and writes the key last; every rank returns the same cache.
+    the one cache (refusing a lost example) and writes the key last; every rank returns the same cache
+    (`specdistill.caches.build_or_reuse`).
 
     Args:
         path: output directory (overwritten).
@@ -101,39 +152,11 @@ def build_target_cache(
         splits: the splits to cache (training reads "train", validation "validation").
         identity: `model_identity(target)`; computed here when None.
     """
-    if not 1 <= m <= vocab_size:
-        raise ValueError(f"m must lie in [1, vocab_size={vocab_size}] cached tokens per position, got {m}")
-    path = Path(path)
-    rank, world_size = rank_and_world_size()
+    _check_m(m, vocab_size)
     key = cache_key(identity or model_identity(target), tokenizer, datamodule, vocab_size, m, tuple(splits))
-    if rank == 0:
-        # the key marks a complete cache: an older one must not vouch for a half-rebuilt cache
-        (path / KEY_FILE).unlink(missing_ok=True)
-        shutil.rmtree(path / _PARTS_DIR, ignore_errors=True)  # parts of an interrupted pass
-    if world_size > 1:
-        torch.distributed.barrier()
-    target.eval()
-    for split in splits:
-        part = _score_split(target, datamodule, split, vocab_size, m, chunk_size, rank, world_size)
-        if world_size > 1:
-            # a rank with no batch of this split writes no part (datasets cannot reload an empty one)
-            if len(part):
-                part.save_to_disk(str(_part_path(path, split, rank)))
-            torch.distributed.barrier()  # every rank's part is written
-            if rank == 0:
-                written = [_part_path(path, split, r) for r in range(world_size)]
-                parts = [datasets.load_from_disk(str(p)) for p in written if p.is_dir()]
-                part = datasets.concatenate_datasets(parts) if parts else part
-        if rank == 0:
-            dataset = _merged(part, split, len(datamodule.tokenized(split)))
-            dataset.save_to_disk(str(path / split), max_shard_size=max_shard_size)
-            log.info("cached the target's top-%d distributions of %d %s examples", m, len(dataset), split)
-    if rank == 0:
-        shutil.rmtree(path / _PARTS_DIR, ignore_errors=True)
-        (path / KEY_FILE).write_text(json.dumps(key, indent=1))
-    if world_size > 1:
-        torch.distributed.barrier()  # rank 0 has written the one cache
-    return CachedTarget(path, key)
+    cache = _TargetPass(Path(path), target, None, key, datamodule, chunk_size, max_shard_size)
+    key, tables = build_or_reuse(cache, reuse=False)
+    return CachedTarget(path, key, tables)
 
 
 _FEATURES = datasets.Features(
@@ -144,11 +167,6 @@ _FEATURES = datasets.Features(
         "tail_mass": datasets.Sequence(datasets.Value("float32")),
     }
 )
-_PARTS_DIR = ".rank_parts"
-
-
-def _part_path(path: Path, split: str, rank: int) -> Path:
-    return path / _PARTS_DIR / split / f"rank{rank}"
 
 
 def _score_split(
@@ -189,35 +207,21 @@ def _score_split(
     return datasets.Dataset.from_dict(columns, features=_FEATURES)
 
 
-def _merged(dataset: datasets.Dataset, split: str, num_examples: int) -> datasets.Dataset:
-    """`dataset` in `example_id` order, one row per example (a sharded dataloader may pad a rank's share with
-    repeats); raises unless the ids are exactly 0..num_examples-1."""
-    ids = np.asarray(dataset["example_id"], dtype=np.int64)
-    _, first = np.unique(ids, return_index=True)  # sorted by id, the first copy of each
-    dataset = dataset.select(first.tolist())
-    if dataset["example_id"] != list(range(num_examples)):
-        raise ValueError(
-            f"the {split} scoring dataloader must yield every example_id 0..{num_examples - 1}; it yielded "
-            f"{len(dataset)} distinct ids"
-        )
-    return dataset
-
-
 class CachedTarget:
     """The target's cached answer distributions, served per batch as `SparseRows` (no target model needed).
 
     Build with `build_target_cache`, or open with `CachedTarget.load`, which checks the key.
     """
 
-    def __init__(self, path: str | Path, key: Mapping[str, Any]) -> None:
+    def __init__(
+        self, path: str | Path, key: Mapping[str, Any], tables: Mapping[str, datasets.Dataset] | None = None
+    ) -> None:
         self.path = Path(path)
         self.key = dict(key)
         self.vocab_size = int(key["vocab_size"])
         self.m = int(key["m"])
-        self._splits = {
-            split: datasets.load_from_disk(str(self.path / split)).with_format("numpy")
-            for split in key["data"]
-        }
+        tables = tables if tables is not None else load_tables(self.path, list(key["data"]))
+        self._splits = {split: tables[split].with_format("numpy") for split in key["data"]}
 
     @classmethod
     def load(
@@ -250,9 +254,6 @@ class CachedTarget:
             )
         return cls(path, stored)
 
-    def place(self, trainer: Any) -> None:
-        """Nothing to place: the cache is read from disk (`CacheOnceTarget` builds itself here)."""
-
     def rows(self, batch: Mapping[str, Any], keep: torch.Tensor, split: str) -> SparseRows:
         """The cached rows of the batch's answer positions, in the row-major order of `keep` `(B, T-1)`."""
         if split not in self._splits:
@@ -282,16 +283,18 @@ class CachedTarget:
         )
 
 
-class CacheOnceTarget(CachedTarget):
+class CacheOnceTarget(CachedTarget, FitStartCache):
     """`CachedTarget` that builds the cache itself, once, where the Trainer placed the target.
 
-    At fit start (`place`, called by `DistillModule`) the cache at `path` is reused if it was built from this target,
-    tokenizer and data; else the target is placed like any frozen model (the strategy's device, or ZeRO-3 shards) and
-    all ranks build it together (`build_target_cache`). The target is released afterwards.
+    At fit start (`specdistill.caches.prepare_caches`, called by `DistillModule`) the cache at `path` is reused if
+    its key matches: this target's config and every weight (`model_identity`, taken here, before a ZeRO-3 placement
+    partitions the weights), tokenizer, data and m; else the target is placed like any frozen model (the
+    strategy's device, or ZeRO-3 shards) and all ranks rebuild it together (`build_or_reuse`). The target is released
+    afterwards.
 
     Args:
         target: the frozen target, or its `Frozen` holder when another provider places the same model
-            (`ScoreOnceReference`), so that it is placed once.
+            (`ScoreOnceReference`), so that it is placed (and hashed) once.
         path, tokenizer, datamodule, vocab_size, m: as for `build_target_cache` (train and validation are cached).
     """
 
@@ -304,35 +307,36 @@ class CacheOnceTarget(CachedTarget):
         vocab_size: int,
         m: int,
     ) -> None:
-        if not 1 <= m <= vocab_size:
-            raise ValueError(
-                f"m must lie in [1, vocab_size={vocab_size}] cached tokens per position, got {m}"
-            )
+        _check_m(m, vocab_size)
         self.path, self.vocab_size, self.m = Path(path), int(vocab_size), int(m)
         self.key, self._splits = {}, {}
         self._frozen: Frozen | None = target if isinstance(target, Frozen) else Frozen(target)
-        self._identity = model_identity(
-            self._frozen.model
-        )  # before a ZeRO-3 placement partitions the weights
-        self._tokenizer, self._datamodule = tokenizer, datamodule
+        identity = model_identity(self._frozen.model, self._frozen.weights_digest())
+        self._key = cache_key(identity, tokenizer, datamodule, vocab_size, m, ("train", "validation"))
+        self._datamodule = datamodule
 
-    def place(self, trainer: Any) -> None:
-        if self._frozen is None:  # built already
-            return
-        args = (self._tokenizer, self._datamodule, self.vocab_size)
-        try:
-            cache = CachedTarget.load(self.path, self._identity, *args, m=self.m)
-            log.info("reusing the cached target distributions in %s", self.path)
-        except ValueError:
-            target = self._frozen.place(trainer).model
-            cache = build_target_cache(self.path, target, *args, m=self.m, identity=self._identity)
-        self.key, self._splits = cache.key, cache._splits
-        self._frozen = self._tokenizer = self._datamodule = None
+    @property
+    def ready(self) -> bool:
+        return self._frozen is None
+
+    def prepare(self, fit_start: FitStart) -> None:
+        cache = _TargetPass(
+            self.path,
+            self._frozen,
+            fit_start.trainer,
+            self._key,
+            self._datamodule,
+            CHUNK_SIZE,
+            MAX_SHARD_SIZE,
+        )
+        self.key, tables = build_or_reuse(cache)
+        self._splits = {split: tables[split].with_format("numpy") for split in self.key["data"]}
+        self._frozen = self._datamodule = None
 
     def rows(self, batch: Mapping[str, Any], keep: torch.Tensor, split: str) -> SparseRows:
         if self._frozen is not None:
             raise RuntimeError(
-                "the cached target distributions are built at fit start (CacheOnceTarget.place under a Trainer); "
-                "outside a Trainer build them with build_target_cache"
+                "the cached target distributions are built at fit start (prepare_caches, called by DistillModule "
+                "under a Trainer); outside a Trainer build them with build_target_cache"
             )
         return super().rows(batch, keep, split)

@@ -5,11 +5,18 @@ cache: every epoch then sees the same mixed sequence Z, unlike uncached training
 proposer head's inputs (no mixing) are the same every epoch anyway. Rows hold `prompt_index`, `hidden (n, D)` (the
 head inputs, in order: hidden states, plus the draft features for a proposer head) and `head_labels (n,)`. Stored
 like rollouts, in resumable shards.
+
+The cache's settings are its key: they hold the draft's `weights_digest` (every weight), the rollouts' fingerprint
+and settings, and the mixing, sampling and storage settings. A directory whose key differs (a draft retrained into the
+same path, other rollouts or settings) is rebuilt from scratch, as the fit-start caches are
+(`specdistill.caches.store`); one with the same key resumes where it stopped.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
@@ -18,6 +25,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from specdistill.caches.digest import weights_digest
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.head_data.collate import RolloutCollator
 from specdistill.head_data.inputs import judged_head_inputs
@@ -30,6 +38,8 @@ from specdistill.rollout.storage import (
     read_settings,
     write_shard,
 )
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float16": torch.float16, "float32": torch.float32}
 
@@ -53,7 +63,7 @@ def build_hidden_cache(
     Args:
         draft: the frozen draft the head is trained for.
         rollout_dir: output of `run_rollouts`.
-        out_dir: cache directory (resumable; must not be reused with other settings).
+        out_dir: cache directory (resumable; rebuilt when it holds a cache of another draft, rollouts or settings).
         mixing_ratio: r of the mixed sequence.
         seed: seed of the per-example mixing.
         batch_size: rollouts per draft forward pass.
@@ -82,7 +92,10 @@ def build_hidden_cache(
         "rollout_settings_sha256": hashlib.sha256(
             repr(sorted(rollout_settings.items())).encode()
         ).hexdigest(),
+        "rollouts_fingerprint": rollouts._fingerprint,  # the stored rollouts themselves
+        "draft_weights": weights_digest(draft),
     }
+    _drop_stale(out_dir, settings)
     finished = set(prepare_out_dir(out_dir, settings))
     features = datasets.Features(
         {
@@ -109,6 +122,18 @@ def build_hidden_cache(
                 columns["head_labels"].append(batch["head_labels"][i][batch["loss_mask"][i]].tolist())
         write_shard(out_dir, shard, columns, features)
     return load_hidden_cache(out_dir)
+
+
+def _drop_stale(out_dir: str | Path, settings: dict) -> None:
+    """Remove a hidden cache at `out_dir` built with other settings (another key), so that it is rebuilt."""
+    try:
+        previous = read_settings(out_dir)
+    except FileNotFoundError:
+        return
+    if previous != settings and previous.get("kind") == "hidden_cache":
+        changed = sorted(k for k in settings.keys() | previous.keys() if settings.get(k) != previous.get(k))
+        log.info("rebuilding the hidden cache in %s: built with another %s", out_dir, ", ".join(changed))
+        shutil.rmtree(out_dir)
 
 
 def load_hidden_cache(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from specdistill.caches.digest import weights_digest
 from specdistill.models.loading import freeze
 
 
@@ -16,6 +17,14 @@ class Frozen:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = freeze(model)
+        self._digest: str | None = None
+
+    def weights_digest(self) -> str:
+        """`specdistill.caches.weights_digest` of the model, taken once: the weights are frozen, and a model shared by
+        two caches is hashed once. Call it before `place` under ZeRO-3 (the placed weights are partitioned)."""
+        if self._digest is None:
+            self._digest = weights_digest(self.model)
+        return self._digest
 
     def to(self, device: torch.device | str) -> Frozen:
         self.model.to(device)
@@ -32,3 +41,15 @@ class Frozen:
     @torch.no_grad()
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)
+
+
+def placed(model: torch.nn.Module | Frozen, trainer=None) -> torch.nn.Module:
+    """What to run: a `Frozen` holder's model, placed for `trainer` first when one is given; else `model` itself."""
+    if isinstance(model, Frozen):
+        return (model.place(trainer) if trainer is not None else model).model
+    return model
+
+
+def digest_of(model: torch.nn.Module | Frozen) -> str:
+    """`weights_digest` of a model, or of a `Frozen` holder's model (taken once per holder)."""
+    return model.weights_digest() if isinstance(model, Frozen) else weights_digest(model)

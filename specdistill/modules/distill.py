@@ -17,6 +17,7 @@ import torch
 from lightning import LightningModule
 from torch import nn
 
+from specdistill.caches import FitStart, prepare_caches
 from specdistill.data.target_cache import CachedTarget
 from specdistill.losses.answers import answer_mask
 from specdistill.losses.chunked import rowwise
@@ -116,8 +117,9 @@ class DistillModule(LightningModule):
     def _place_frozen(self) -> None:
         reference = self.reference if self.uses_reference else None
         if self._trainer is not None:
-            if self.cached_target is not None:
-                self.cached_target.place(self.trainer)  # a CacheOnceTarget is built here, the ranks together
+            # the fit-start caches (CacheOnceTarget, ScoreOnceReference) are keyed before any model is placed, then
+            # built by the ranks together or reused
+            prepare_caches(FitStart(self.trainer, self._target), (self.cached_target, reference))
             if self._target is not None:
                 self._target.place(self.trainer)
             if reference is not None:

@@ -14,14 +14,13 @@ computed by the module, no grad), N = `answer_mask.sum()`:
   by `cached_reference_scores` (see `specdistill.selection.scoring` for the storage format).
 
 Both give the same values, so online and cached runs select the same tokens. The module also calls
-`provider.place(trainer)` at fit/validation/test start (or `provider.to(device)` without a trainer).
+`provider.place(trainer)` at fit/validation/test start (or `provider.to(device)` without a trainer), after
+`specdistill.caches.prepare_caches` has built a `ScoreOnceReference`'s scores.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,15 +29,18 @@ import datasets
 import torch
 from torch import nn
 
+from specdistill.caches.fit_start import FitStart, FitStartCache
+from specdistill.caches.store import SharedPass, build_or_reuse
 from specdistill.losses.divergence import Divergence
 from specdistill.losses.rows import answer_rows
-from specdistill.models.frozen import Frozen
+from specdistill.models.frozen import Frozen, digest_of, placed
 from specdistill.selection.scoring import score_reference
-from specdistill.utils.distributed import is_sharded, rank_and_world_size
+from specdistill.utils.distributed import is_sharded
 
 log = logging.getLogger(__name__)
 
 CACHED_COLUMN = "ref_divergence"
+KEY_FILE = "specdistill_scores.json"
 
 
 class ReferenceScores:
@@ -116,12 +118,14 @@ class CachedReferenceScores(ReferenceScores):
         return cached.to(answer_mask.device, torch.float32)[answer_mask]
 
 
-class ScoreOnceReference(CachedReferenceScores):
+class ScoreOnceReference(CachedReferenceScores, FitStartCache):
     """`CachedReferenceScores` that computes the cache itself, once, where the Trainer placed the models.
 
-    At fit start (`place`) the reference is placed like the target (the strategy's device, or ZeRO-3 shards), the
-    train split is scored by all ranks together (`cached_reference_scores`), the column is attached to the train
-    split before its dataloader is built, and the reference is released; training then reads the column.
+    At fit start (`specdistill.caches.prepare_caches`, called by `DistillModule` before it places its own models)
+    the scores at `path` are reused if their key matches (the target's and the reference's weights, the divergence,
+    the data); else the reference and the target are placed like any frozen model (the strategy's device, or ZeRO-3
+    shards) and the train split is scored by all ranks together (`build_or_reuse`). The column is attached to the
+    train split before its dataloader is built, and the models are released; training then reads the column.
 
     Args:
         model: the frozen reference r.
@@ -130,7 +134,7 @@ class ScoreOnceReference(CachedReferenceScores):
         datamodule: the `TaskDataModule` whose train split is scored and receives the column.
         target: the frozen target, when the module trains without one (a cached target distribution): placed here
             like the reference and released after scoring; its `Frozen` holder when the target cache holds the same
-            one, so that it is placed once. None: the module's own target.
+            one, so that it is placed once. None: the module's own target (`FitStart.target`).
     """
 
     def __init__(
@@ -143,24 +147,35 @@ class ScoreOnceReference(CachedReferenceScores):
         target: nn.Module | Frozen | None = None,
     ) -> None:
         self._frozen: Frozen | None = Frozen(model)
+        self._frozen.weights_digest()  # before a ZeRO-3 placement partitions the weights
         self._target: Frozen | None = Frozen(target) if isinstance(target, nn.Module) else target
         self.divergence = divergence
         self.vocab_size = vocab_size
         self.path = Path(path)
         self.datamodule = datamodule
 
-    def place(self, trainer: Any) -> None:
-        if self._frozen is None:  # scored already
-            return
-        reference = self._frozen.place(trainer).model
-        if self._target is not None:
-            target = self._target.place(trainer).model
-        else:
-            target = trainer.lightning_module.target  # placed by the module just before its reference
-        rows = cached_reference_scores(
-            self.path, target, reference, self.datamodule, self.divergence, self.vocab_size
+    @property
+    def ready(self) -> bool:
+        return self._frozen is None
+
+    def prepare(self, fit_start: FitStart) -> None:
+        target = self._target if self._target is not None else fit_start.target
+        if target is None:
+            raise ValueError(
+                "ScoreOnceReference has no target to score against: the module trains from a cached target, so "
+                "pass the target model (or its Frozen holder) as ScoreOnceReference(..., target=)"
+            )
+        scores = _ReferencePass(
+            self.path,
+            target,
+            self._frozen,
+            fit_start.trainer,
+            self.datamodule,
+            self.divergence,
+            self.vocab_size,
         )
-        self.datamodule.attach_column("train", CACHED_COLUMN, rows)
+        _, tables = build_or_reuse(scores)
+        self.datamodule.attach_column("train", CACHED_COLUMN, _rows(tables))
         self._frozen = self._target = None
 
     def to(self, device: torch.device | str) -> None:
@@ -168,6 +183,66 @@ class ScoreOnceReference(CachedReferenceScores):
             raise ValueError(
                 "ScoreOnceReference scores at fit start under a Trainer; without one use OnlineReference"
             )
+
+
+class _ReferencePass(SharedPass):
+    """The reference scores as a `SharedPass`: one table, `train`, with D(target, reference) per shifted position.
+
+    `target` and `reference` are models, or `Frozen` holders placed on `trainer`'s devices only when the pass runs."""
+
+    key_file = KEY_FILE
+
+    def __init__(
+        self,
+        path: Path,
+        target: nn.Module | Frozen,
+        reference: nn.Module | Frozen,
+        trainer: Any,
+        datamodule: Any,
+        divergence: Divergence,
+        vocab_size: int,
+    ) -> None:
+        self.path, self.target, self.reference, self.trainer = Path(path), target, reference, trainer
+        self.datamodule, self.divergence, self.vocab_size = datamodule, divergence, vocab_size
+
+    def key(self) -> dict[str, Any]:
+        return {
+            "fingerprint": self.datamodule.tokenized("train")._fingerprint,
+            "divergence": repr(self.divergence),
+            "vocab_size": int(self.vocab_size),
+            "target": digest_of(self.target),
+            "reference": digest_of(self.reference),
+        }
+
+    def sizes(self) -> dict[str, int]:
+        return {"train": len(self.datamodule.tokenized("train"))}
+
+    def compute(self, name: str, rank: int, world_size: int) -> datasets.Dataset:
+        reference, target = placed(self.reference, self.trainer), placed(self.target, self.trainer)
+        log.info(
+            "scoring %d train examples with the reference (once, %d rank(s))", self.sizes()[name], world_size
+        )
+        loader = self.datamodule.scoring_dataloader(name)
+        sharded = is_sharded(
+            loader
+        )  # a datamodule attached to a multi-device Trainer gives each rank its share
+        scores = score_reference(
+            target, reference, loader, self.divergence, self.vocab_size,
+            rank=0 if sharded else rank, world_size=1 if sharded else world_size, progress=True,
+        )  # fmt: skip
+        ids = sorted(scores)
+        columns = {"example_id": ids, CACHED_COLUMN: [scores[i] for i in ids]}
+        return datasets.Dataset.from_dict(columns, features=_FEATURES)
+
+
+# float64 holds the float32 scores exactly; explicit, so that a part whose rows are all empty has the same type
+_FEATURES = datasets.Features(
+    {"example_id": datasets.Value("int64"), CACHED_COLUMN: datasets.Sequence(datasets.Value("float64"))}
+)
+
+
+def _rows(tables: dict[str, datasets.Dataset]) -> list[list[float]]:
+    return tables["train"].data.column(CACHED_COLUMN).to_pylist()
 
 
 def cached_reference_scores(
@@ -181,8 +256,8 @@ def cached_reference_scores(
     """Per train example, D(target, reference) at each shifted position; computed once and saved under `path`.
 
     Args:
-        path: directory of the saved copy (a `datasets` dataset with columns `example_id`, `ref_divergence`, plus
-            `specdistill_scores.json`).
+        path: directory of the saved copy (`train/`, a `datasets` dataset with columns `example_id` and
+            `ref_divergence`, and the key `specdistill_scores.json`).
         target, reference: the frozen models, already on the device the scoring batches should use.
         datamodule: a `TaskDataModule`; its `tokenized("train")` split is scored through `scoring_dataloader`.
         divergence: the training divergence D (the gap is D(p, q) - D(p, r)).
@@ -192,63 +267,12 @@ def cached_reference_scores(
         One row per train example in `example_id` order, `len(input_ids) - 1` floats each (0.0 off the answer
         positions), ready for `datamodule.attach_column("train", "ref_divergence", rows)`.
 
-    The saved copy records the tokenised inputs' fingerprint, the divergence, the vocabulary size and the reference's
-    name, so a changed dataset, tokenizer, max_length, divergence or reference is recomputed rather than reused.
+    The key records the tokenised inputs' fingerprint, the divergence, the vocabulary size and the digests of every
+    weight of the target and of the reference (`specdistill.caches.weights_digest`), so a changed dataset,
+    tokenizer, max_length, divergence, target or reference (even one retrained into the same directory) is
+    recomputed rather than reused. With a process group running, the ranks share the pass and rank 0 merges
+    (`specdistill.caches.build_or_reuse`).
     """
-    path = Path(path)
-    train = datamodule.tokenized("train")
-    key = {
-        "fingerprint": train._fingerprint,
-        "divergence": repr(divergence),
-        "vocab_size": int(vocab_size),
-        "reference": str(getattr(getattr(reference, "config", None), "_name_or_path", "")),
-    }
-    meta = path / "specdistill_scores.json"
-    if meta.is_file() and json.loads(meta.read_text()) == key:
-        log.info("reusing cached reference scores from %s", path)
-        return datasets.load_from_disk(str(path)).data.column(CACHED_COLUMN).to_pylist()
-    rank, world_size = rank_and_world_size()
-    log.info("scoring %d train examples with the reference (once, %d rank(s))", len(train), world_size)
-    loader = datamodule.scoring_dataloader("train")
-    sharded = is_sharded(loader)  # a datamodule attached to a multi-device Trainer gives each rank its share
-    scores = score_reference(
-        target, reference, loader, divergence, vocab_size,
-        rank=0 if sharded else rank, world_size=1 if sharded else world_size, progress=True,
-    )  # fmt: skip
-    if world_size > 1:
-        scores = _merge_across_ranks(path, scores, rank, world_size)
-    if rank == 0:
-        missing = [i for i in range(len(train)) if i not in scores]
-        if missing:
-            raise RuntimeError(
-                f"reference scoring left {len(missing)} train examples unscored, e.g. {missing[:5]}"
-            )
-        rows = [scores[i] for i in range(len(train))]
-        columns = {"example_id": list(range(len(rows))), CACHED_COLUMN: rows}
-        datasets.Dataset.from_dict(columns).save_to_disk(str(path))
-        meta.write_text(json.dumps(key))
-    if world_size > 1:
-        torch.distributed.barrier()  # rank 0 has written the one set of scores
-    return datasets.load_from_disk(str(path)).data.column(CACHED_COLUMN).to_pylist()
-
-
-def _merge_across_ranks(
-    path: Path, scores: dict[int, list[float]], rank: int, world_size: int
-) -> dict[int, list[float]]:
-    """Each rank writes its shard beside `path`; rank 0 reads them all (examples scored twice keep one copy).
-
-    Returns the merged scores on rank 0 and this rank's own elsewhere. Files, not collectives, carry the rows: a
-    shard of a large train split would not fit a gather of Python objects comfortably.
-    """
-    shards = path.with_name(path.name + "_shards")
-    shards.mkdir(parents=True, exist_ok=True)
-    (shards / f"rank{rank}.json").write_text(json.dumps({str(k): v for k, v in scores.items()}))
-    torch.distributed.barrier()
-    if rank != 0:
-        return scores
-    merged: dict[int, list[float]] = {}
-    for other in range(world_size):
-        for key, row in json.loads((shards / f"rank{other}.json").read_text()).items():
-            merged.setdefault(int(key), row)
-    shutil.rmtree(shards)
-    return merged
+    scores = _ReferencePass(path, target, reference, None, datamodule, divergence, vocab_size)
+    _, tables = build_or_reuse(scores)
+    return _rows(tables)
