@@ -14,13 +14,12 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 
 from specdistill.drafts.base import KIND_FILE, DraftKind, LoadedDraft, TargetPass, target_pass
-from specdistill.drafts.standalone import CausalLMDraft, Standalone
+from specdistill.drafts.standalone import Standalone
 from specdistill.errors import InputFileError
 from specdistill.models.loading import ModelSpec
 
 __all__ = [
     "KIND_FILE",
-    "CausalLMDraft",
     "DraftKind",
     "LoadedDraft",
     "Standalone",

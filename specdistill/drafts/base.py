@@ -21,9 +21,11 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from specdistill.export.hf import export_pretrained
 from specdistill.losses.rows import HiddenRows, OutputHead, answer_rows
 from specdistill.losses.sparse import SparseRows
-from specdistill.models.loading import ModelSpec
+from specdistill.models.loading import ModelSpec, load_model
+from specdistill.models.vocab import check_model_covers_vocab
 
 KIND_FILE = "draft_kind.json"
 
@@ -80,10 +82,11 @@ def target_pass(
 class DraftKind:
     """One kind of draft: how it is built, trained against the target, exported, loaded and decoded with.
 
-    Subclasses set `target_layers` when their rows read target hidden states, and implement the methods below;
-    `specdistill.drafts.standalone.CausalLMDraft` implements them for a draft that is a standalone causal LM.
-    A kind's constructor arguments are its settings (`conf/draft/<kind>.yaml`); `record()` returns those that an
-    export needs to be loaded again.
+    A kind implements `build`. The other methods default to what a draft that is a standalone causal LM once built
+    does (`standalone.py`, `cut_layers.py`): its rows are its own answer rows, it exports and loads as a Hugging Face
+    model and the engine drafts with the model itself. A kind whose draft is something else (a head reading the
+    target's hidden states: it sets `target_layers`) overrides them. A kind's constructor arguments are its settings
+    (`conf/draft/<kind>.yaml`); `settings()` returns those that an export needs to be loaded again.
     """
 
     target_layers: tuple[int, ...] = ()
@@ -111,7 +114,8 @@ class DraftKind:
         target: TargetPass,
         vocab_size: int,
     ) -> HiddenRows:
-        """The draft's answer rows that the divergences compare with `target.rows` (same `N` rows, same order).
+        """The draft's answer rows that the divergences compare with `target.rows` (same `N` rows, same order);
+        by default the draft's own `answer_rows` (`(N, H)` final hidden states and its output layer).
 
         Args:
             draft: the model `build` (or `load`) returned.
@@ -120,7 +124,7 @@ class DraftKind:
             target: the target pass of this batch.
             vocab_size: the tokenizer's real vocabulary.
         """
-        raise NotImplementedError
+        return answer_rows(draft, batch, keep, vocab_size)
 
     def export(
         self,
@@ -129,20 +133,27 @@ class DraftKind:
         out_dir: Path,
         metadata: dict[str, Any] | None = None,
     ) -> Path:
-        """Write `draft` (safetensors), `tokenizer` and this kind's record (`write_record`) into `out_dir`."""
-        raise NotImplementedError
+        """Write `draft` (safetensors), `tokenizer` and this kind's record (`write_record`) into `out_dir`; by
+        default the Hugging Face export (`export_pretrained`, `metadata` in `specdistill.json`) and the record."""
+        out = export_pretrained(draft, tokenizer, out_dir, metadata)
+        self.write_record(out)
+        return out
 
     def load(self, spec: ModelSpec, vocab_size: int | None = None) -> nn.Module:
-        """The draft of an export of this kind (`spec.pretrained_model_name_or_path`), in `spec.dtype`."""
-        raise NotImplementedError
+        """The draft of an export of this kind (`spec.pretrained_model_name_or_path`), in `spec.dtype`; by default
+        `load_model(spec)`, checked to cover the tokenizer's `vocab_size` when given."""
+        model = load_model(spec, vocab_size=vocab_size)
+        if vocab_size is not None:
+            check_model_covers_vocab("draft", model, vocab_size)
+        return model
 
     def proposer(self, model: nn.Module, vocab_size: int) -> nn.Module:
         """What the decoding engine drafts with for `model`.
 
-        A kind may return any proposer the engine accepts; a causal-LM draft returns the model itself, which the
-        engine runs as it always has.
+        A kind may return any proposer the engine accepts; by default the model itself, a causal LM, which the
+        engine drafts with as it always has.
         """
-        raise NotImplementedError
+        return model
 
     def record(self) -> dict[str, Any]:
         """The Hydra node that rebuilds this kind from an export: its class as `_target_` and its settings."""

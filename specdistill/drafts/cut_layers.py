@@ -2,7 +2,7 @@
 
 The cut is a real Hugging Face model of the target's class with `num_hidden_layers=num_layers` and the target's
 weights copied in, so from then on it is a standalone causal LM: it trains, exports, loads and drafts like one
-(`CausalLMDraft`). Its logits before training are the target's early exit after layer `num_layers`: embeddings ->
+(`DraftKind`'s defaults). Its logits before training are the target's early exit after layer `num_layers`: embeddings ->
 layers 0..num_layers-1 -> final norm -> head. `python train.py stage=distill draft=cut_layers draft.num_layers=1`.
 """
 
@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from specdistill.drafts.standalone import CausalLMDraft
+from specdistill.drafts.base import DraftKind
 from specdistill.errors import ConfigError
 
 
-class CutLayers(CausalLMDraft):
+class CutLayers(DraftKind):
     """The draft is the target's first `num_layers` layers between its embeddings and its final norm and head.
 
     Args:
