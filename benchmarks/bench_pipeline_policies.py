@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     with open_dict(cfg):
         cfg.models.target.pretrained_model_name_or_path = str(target_dir)
     drafts = named_drafts(cfg, {d: str(p) for d, p in draft_dirs.items()})
-    tokenizer, target, models, vocab = load_frozen_target_and_drafts(cfg, drafts, device)
+    tokenizer, target, loaded, vocab = load_frozen_target_and_drafts(cfg, drafts, device)
+    models = {name: draft.proposer(vocab) for name, draft in loaded.items()}
     heads = {d: AcceptanceHead.load(p, device=device) for d, p in head_dirs.items()}
     datamodule = build_datamodule(cfg, tokenizer, max_length=cfg.evaluate.max_length)
     task = datamodule.task

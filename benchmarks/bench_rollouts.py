@@ -131,7 +131,7 @@ def main() -> None:
     tokenizer, target, drafts, vocab = load_frozen_target_and_drafts(
         cfg, {"draft": model_spec(cfg.models.draft)}, torch.device("cpu")
     )
-    draft = drafts["draft"]
+    draft = drafts["draft"].model
     datamodule = build_datamodule(cfg, tokenizer, max_length=cfg.rollout.max_length)
     prompts = [list(p["prompt_ids"]) for p in datamodule.prompts("train")][: args.prompts]
     sampling = SamplingConfig(temperature=args.temperature)

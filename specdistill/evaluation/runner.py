@@ -193,7 +193,7 @@ def evaluate_policies(
 
     Args:
         target: the target causal LM (eval mode, on its device).
-        drafts: draft name -> draft model.
+        drafts: draft name -> what the engine drafts with (`DraftKind.proposer`; a causal-LM draft: the model).
         policies: policy name -> `DraftPolicy`; one object may serve several drafts (each configuration then gets
             its own copy, so state a policy keeps across sequences never mixes drafts).
         prompts: dicts with `prompt_ids` (list of ids), `record` (the dataset record given to `score_fn`) and

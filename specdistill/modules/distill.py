@@ -19,12 +19,14 @@ from torch import nn
 
 from specdistill.caches import FitStart, prepare_caches
 from specdistill.data.target_cache import CachedTarget
+from specdistill.drafts.base import DraftKind, TargetPass, target_pass
+from specdistill.drafts.standalone import Standalone
 from specdistill.losses.answers import answer_mask
 from specdistill.losses.chunked import rowwise
 from specdistill.losses.divergence import Divergence, expected_acceptance, forward_kl
 from specdistill.losses.fused import fused_divergence_sum
 from specdistill.losses.reduction import reduce_tokens, window_normaliser
-from specdistill.losses.rows import HiddenRows, answer_rows
+from specdistill.losses.rows import HiddenRows
 from specdistill.losses.sparse import SparseRows
 from specdistill.models.frozen import Frozen
 from specdistill.modules.optimization import configure_optimization
@@ -56,6 +58,8 @@ class DistillModule(LightningModule):
             `AdaSpecSelector(k=0.4)`); None keeps every answer token.
         reference: where D(p, r) comes from (`specdistill.selection.reference`: `OnlineReference` or
             `CachedReferenceScores`); required when the selector `needs_reference`, never run otherwise.
+        kind: the draft's kind (`specdistill.drafts`), which gives the draft's rows from the batch and the target
+            pass; default `Standalone()`, a causal LM's own answer rows.
 
     After each training step `last_selection` holds that micro-batch's `SelectionRecord` (for `SelectionReport`).
     """
@@ -70,13 +74,23 @@ class DistillModule(LightningModule):
         scheduler: SchedulerFactory | None = None,
         selector: Selector | None = None,
         reference: ReferenceScores | None = None,
+        kind: DraftKind | None = None,
     ) -> None:
         super().__init__()
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be positive (len(tokenizer)), got {vocab_size}")
         _check_reference(selector, reference, divergence, vocab_size)
         self.save_hyperparameters(
-            ignore=["draft", "target", "divergence", "optimizer", "scheduler", "selector", "reference"]
+            ignore=[
+                "draft",
+                "target",
+                "divergence",
+                "optimizer",
+                "scheduler",
+                "selector",
+                "reference",
+                "kind",
+            ]
         )
         self.draft = draft
         self.cached_target = target if isinstance(target, CachedTarget) else None
@@ -89,6 +103,12 @@ class DistillModule(LightningModule):
             raise ValueError(
                 f"divergence.kernel={divergence.kernel} projects the target's hidden states itself, so it cannot "
                 "train from cached target distributions: drop cached_target or use divergence.kernel=torch"
+            )
+        self.kind = kind if kind is not None else Standalone()
+        if self.cached_target is not None and self.kind.target_layers:
+            raise ValueError(
+                f"the draft kind {type(self.kind).__name__} reads the target's hidden states at layers "
+                f"{list(self.kind.target_layers)}, which a cached target does not hold: drop cached_target"
             )
         self._target = None if self.cached_target is not None else Frozen(target)
         self.vocab_size = vocab_size
@@ -152,15 +172,16 @@ class DistillModule(LightningModule):
     ) -> tuple[torch.Tensor, HiddenRows | SparseRows, HiddenRows]:
         """Return `(answer_mask (B, T-1), target rows, draft rows)`: final hidden states `(N, H)` at the answer
         positions and each model's output layer, never full logits (`specdistill.losses.rows`); the target runs once,
-        no grad (or its cached top-m rows of `split` are read). The divergence projects `chunk_size` rows at a time."""
+        no grad (or its cached top-m rows of `split` are read), and the draft kind turns the batch and that target
+        pass into the draft's rows. The divergence projects `chunk_size` rows at a time."""
         keep = answer_mask(batch["labels"])
         if self.cached_target is not None:
-            target_rows = self.cached_target.rows(batch, keep, split)
+            target = TargetPass(self.cached_target.rows(batch, keep, split))
         else:
             with torch.no_grad():
-                target_rows = answer_rows(self.target, batch, keep, self.vocab_size)
-        draft_rows = answer_rows(self.draft, batch, keep, self.vocab_size)
-        return keep, target_rows, draft_rows
+                target = target_pass(self.target, batch, keep, self.vocab_size, self.kind.target_layers)
+        draft_rows = self.kind.rows(self.draft, batch, keep, target, self.vocab_size)
+        return keep, target.rows, draft_rows
 
     def _select(
         self,

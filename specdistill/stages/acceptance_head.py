@@ -19,7 +19,7 @@ from specdistill.rollout.storage import read_settings
 from specdistill.stages.build import (
     build_trainer,
     fit,
-    load_models,
+    load_exported_drafts,
     logged_metrics,
     named_drafts,
     seed_everything,
@@ -49,7 +49,8 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     trainer_cfg = trainer_config(cfg, "acceptance_head")
     # acceptance_head.batch_size is the global batch; each device runs micro-batches of this size
     micro_batch_size = stage_batch_plan(settings, trainer_cfg).micro_batch_size
-    tokenizer, models, _ = load_models(cfg, {name: drafts[name] for name in rollouts})
+    tokenizer, loaded, _ = load_exported_drafts(cfg, {name: drafts[name] for name in rollouts})
+    models = {name: draft.model for name, draft in loaded.items()}  # the head reads the draft model's states
     result: dict = {"stage": "acceptance_head", "heads": {}}
     for name, rollout_dir in rollouts.items():
         seed_everything(cfg)

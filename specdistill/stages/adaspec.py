@@ -28,6 +28,7 @@ from specdistill.selection.reference import OnlineReference, ScoreOnceReference
 from specdistill.selection.topk import check_fraction
 from specdistill.stages.build import (
     build_trainer,
+    draft_kind,
     load_models,
     model_spec,
     seed_everything,
@@ -39,7 +40,7 @@ from specdistill.stages.distill import train_and_export
 from specdistill.utils.batching import BatchPlan, batch_plan, matched_max_steps, world_size
 
 log = logging.getLogger(__name__)
-TRAINED_ROLES = ("draft",)  # loaded with fp32 master weights; target and reference stay frozen
+TRAINED_ROLES = ("draft",)  # built by the draft kind with fp32 master weights; target, reference stay frozen
 
 
 @dataclass(frozen=True)
@@ -108,9 +109,9 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         "reference": ModelSpec(
             pretrained_model_name_or_path=settings.reference, dtype=cfg.models.draft.get("dtype", "float32")
         ),
-        "draft": model_spec(cfg.models.draft),
     }
-    tokenizer, models, vocab_size = load_models(cfg, specs, trainable=TRAINED_ROLES)
+    kind = draft_kind(cfg)
+    tokenizer, models, vocab_size = load_models(cfg, specs, drafts=dict.fromkeys(TRAINED_ROLES, kind))
     datamodule = training_datamodule(cfg, tokenizer, settings, trainer_cfg)
     if baseline is not None:
         matched_steps(baseline, len(datamodule.tokenized("train")), trainer_cfg)
@@ -144,6 +145,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         scheduler=instantiate(settings.scheduler),
         selector=selector,
         reference=reference,
+        kind=kind,
     )
     report = SelectionReport(tokenizer=tokenizer, output_dir=str(out_dir))
     trainer = build_trainer(cfg, "adaspec", out_dir, trainer_cfg, [report], select_best=settings.select_best)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,12 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf, open_dict
+from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdistill.callbacks.progress import training_progress_bar
 from specdistill.data.datamodule import TaskDataModule
+from specdistill.drafts import DraftKind, LoadedDraft, Standalone, load_draft
 from specdistill.export.hf import export_pretrained
 from specdistill.models import ModelSpec, check_model_covers_vocab, check_same_tokenizer, freeze, load_model
 from specdistill.models.loading import is_placed_across_devices
@@ -59,18 +62,17 @@ def shared_tokenizer(cfg: DictConfig, specs: dict[str, ModelSpec]) -> PreTrained
     return tokenizer
 
 
-def load_models(
-    cfg: DictConfig,
-    specs: dict[str, ModelSpec],
-    trainable: tuple[str, ...] = (),
-    placed_roles: tuple[str, ...] = (),
-) -> tuple[PreTrainedTokenizerBase, dict[str, PreTrainedModel], int]:
-    """Load the tokenizer and each model once; return `(tokenizer, models, real_vocab_size)`.
+def draft_kind(cfg: DictConfig) -> DraftKind:
+    """The run's draft kind, `cfg.draft` (`draft=<kind>`: conf/draft/<kind>.yaml).
 
-    The roles named in `trainable` load in float32 (fp32 master weights; bfloat16 only under `pure_bf16=true`),
-    whatever their spec's dtype, which is the dtype of the frozen roles (specdistill/models/precision.py). Only the
-    roles in `placed_roles` may carry a `device_map` (frozen models of stages that place them themselves).
+    With no kind chosen (the default, so every existing config composes as before) the draft is `Standalone`, the
+    pair's `models.draft`, exactly what `draft=standalone` builds.
     """
+    node = cfg.get("draft")
+    return Standalone(model_spec(cfg.models.draft)) if node is None else instantiate(node)
+
+
+def _check_placement(specs: Mapping[str, ModelSpec], placed_roles: tuple[str, ...]) -> None:
     for role, spec in specs.items():
         if spec.device_map is not None and role not in placed_roles:
             raise ValueError(
@@ -78,20 +80,51 @@ def load_models(
                 "Training stages place their models with the Trainer's strategy: drop the device_map and use "
                 "trainer=deepspeed_zero3 for a target larger than one GPU."
             )
-    tokenizer = shared_tokenizer(cfg, specs)
+
+
+def _load_checked(role: str, spec: ModelSpec, vocab_size: int) -> PreTrainedModel:
+    model = load_model(spec, vocab_size=vocab_size)
+    check_model_covers_vocab(role, model, vocab_size)
+    return model
+
+
+def load_models(
+    cfg: DictConfig,
+    specs: dict[str, ModelSpec],
+    trainable: tuple[str, ...] = (),
+    placed_roles: tuple[str, ...] = (),
+    drafts: Mapping[str, DraftKind] | None = None,
+) -> tuple[PreTrainedTokenizerBase, dict[str, nn.Module], int]:
+    """Load the tokenizer and each model once; return `(tokenizer, models, real_vocab_size)`.
+
+    The roles named in `trainable` load in float32 (fp32 master weights; bfloat16 only under `pure_bf16=true`),
+    whatever their spec's dtype, which is the dtype of the frozen roles (specdistill/models/precision.py). Only the
+    roles in `placed_roles` may carry a `device_map` (frozen models of stages that place them themselves).
+    `drafts` (role -> `DraftKind`) are the trained drafts: each is built by its kind (`DraftKind.build`, fp32 master
+    weights) after the models of `specs`, from the target among them (`specs["target"]`) when there is one.
+    """
+    drafts = drafts or {}
+    sources = dict(specs)
+    for role, kind in drafts.items():
+        sources.update(kind.specs(role))
+    _check_placement(sources, placed_roles)
+    tokenizer = shared_tokenizer(cfg, sources)
     vocab_size = len(tokenizer)
-    models = {}
+    pure_bf16 = bool(cfg.get("pure_bf16", False))
+    models: dict[str, nn.Module] = {}
     for role, spec in specs.items():
         if role in trainable:
-            spec = trainable_spec(spec, pure_bf16=bool(cfg.get("pure_bf16", False)))
-        model = load_model(spec, vocab_size=vocab_size)
-        check_model_covers_vocab(role, model, vocab_size)
-        models[role] = model
+            spec = trainable_spec(spec, pure_bf16=pure_bf16)
+        models[role] = _load_checked(role, spec, vocab_size)
+    for role, kind in drafts.items():
+        models[role] = kind.build(models.get("target"), vocab_size, pure_bf16=pure_bf16)
     return tokenizer, models, vocab_size
 
 
 def named_drafts(cfg: DictConfig, paths: DictConfig | None) -> dict[str, ModelSpec]:
-    """`paths` (draft name -> export directory) as model specs, or the pair's draft (`draft`) when none is given."""
+    """`paths` (draft name -> export directory) as model specs, or the pair's draft (`draft`) when none is given.
+
+    `load_draft` loads each through the draft kind its export records (`load_exported_drafts`)."""
     if not paths:
         return {"draft": model_spec(cfg.models.draft)}
     dtype = cfg.models.draft.get("dtype", "float32")
@@ -105,20 +138,34 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def load_exported_drafts(
+    cfg: DictConfig, drafts: Mapping[str, ModelSpec]
+) -> tuple[PreTrainedTokenizerBase, dict[str, LoadedDraft], int]:
+    """`(tokenizer, drafts, vocab_size)`: each draft export (see `named_drafts`) loaded through the kind it records
+    (`specdistill.drafts.load_draft`), after the same tokenizer checks as every other stage."""
+    _check_placement(drafts, ())
+    tokenizer = shared_tokenizer(cfg, dict(drafts))
+    vocab_size = len(tokenizer)
+    return tokenizer, {name: load_draft(spec, vocab_size) for name, spec in drafts.items()}, vocab_size
+
+
 def load_frozen_target_and_drafts(
-    cfg: DictConfig, drafts: dict[str, ModelSpec], device: torch.device
-) -> tuple[PreTrainedTokenizerBase, PreTrainedModel, dict[str, PreTrainedModel], int]:
+    cfg: DictConfig, drafts: Mapping[str, ModelSpec], device: torch.device
+) -> tuple[PreTrainedTokenizerBase, PreTrainedModel, dict[str, LoadedDraft], int]:
     """For stages without training (rollout, evaluate): `(tokenizer, target, drafts, vocab_size)`, all frozen on
     `device` (a target loaded with `models.target.device_map` stays where it was placed), after the same tokenizer
-    checks as every other stage."""
+    checks as every other stage. Each draft export (see `named_drafts`) loads through the kind it records."""
     specs = {"target": model_spec(cfg.models.target), **drafts}
-    tokenizer, models, vocab_size = load_models(cfg, specs, placed_roles=("target",))
-    for model in models.values():
+    _check_placement(specs, ("target",))
+    tokenizer = shared_tokenizer(cfg, specs)
+    vocab_size = len(tokenizer)
+    target = _load_checked("target", specs.pop("target"), vocab_size)
+    loaded = {name: load_draft(spec, vocab_size) for name, spec in specs.items()}
+    for model in [target, *(draft.model for draft in loaded.values())]:
         freeze(model)
         if not is_placed_across_devices(model):
             model.to(device)
-    target = models.pop("target")
-    return tokenizer, target, models, vocab_size
+    return tokenizer, target, loaded, vocab_size
 
 
 # -- data -----------------------------------------------------------------------------------------------------------
@@ -300,16 +347,21 @@ def restore_best(trainer: L.Trainer, module: L.LightningModule) -> str | None:
 
 def export_trained(
     trainer: L.Trainer,
-    model: PreTrainedModel,
+    model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
     out_dir: Path,
     metadata: dict[str, Any],
+    kind: DraftKind | None = None,
 ) -> Path:
-    """Write the Hugging Face export of a trained model (gathering ZeRO-3 shards first; rank 0 writes) and, when
-    the logger is W&B with `log_model`, upload it as an artifact."""
+    """Write the export of a trained model (gathering ZeRO-3 shards first; rank 0 writes) and, when the logger is
+    W&B with `log_model`, upload it as an artifact. A draft exports through its `kind` (`DraftKind.export`, which
+    records the kind); other models (sft's target) as Hugging Face models."""
     with full_weights(model, trainer):
         if trainer.is_global_zero:
-            export_pretrained(model, tokenizer, out_dir, metadata)
+            if kind is not None:
+                kind.export(model, tokenizer, out_dir, metadata)
+            else:
+                export_pretrained(model, tokenizer, out_dir, metadata)
     trainer.strategy.barrier()
     log_export(trainer.logger, out_dir, metadata)
     return out_dir

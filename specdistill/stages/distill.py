@@ -19,6 +19,7 @@ from specdistill.data.target_cache import CacheOnceTarget
 from specdistill.modules.distill import DistillModule
 from specdistill.stages.build import (
     build_trainer,
+    draft_kind,
     export_trained,
     fit,
     load_models,
@@ -32,15 +33,16 @@ from specdistill.stages.build import (
 )
 
 VAL_METRICS = ["val/kl", "val/expected_acceptance"]
-TRAINED_ROLES = ("draft",)  # loaded with fp32 master weights; the target stays frozen
+TRAINED_ROLES = ("draft",)  # built by the draft kind with fp32 master weights; the target stays frozen
 
 
 def run(cfg: DictConfig, out_dir: Path) -> dict:
     settings = cfg.distill
     trainer_cfg = trainer_config(cfg, "distill")
     seed_everything(cfg)
-    specs = {"target": model_spec(cfg.models.target), "draft": model_spec(cfg.models.draft)}
-    tokenizer, models, vocab_size = load_models(cfg, specs, trainable=TRAINED_ROLES)
+    kind = draft_kind(cfg)
+    specs = {"target": model_spec(cfg.models.target)}
+    tokenizer, models, vocab_size = load_models(cfg, specs, drafts=dict.fromkeys(TRAINED_ROLES, kind))
     datamodule = training_datamodule(cfg, tokenizer, settings, trainer_cfg)
     target = models.pop("target")
     if settings.get("cached_target"):
@@ -56,6 +58,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         divergence=instantiate(cfg.divergence),
         optimizer=instantiate(settings.optimizer),
         scheduler=instantiate(settings.scheduler),
+        kind=kind,
     )
     trainer = build_trainer(cfg, "distill", out_dir, trainer_cfg, select_best=settings.select_best)
     metadata = {"stage": "distill", "task": cfg.task.name}
@@ -79,7 +82,9 @@ def train_and_export(
     fit(trainer, module, datamodule)
     restore_best(trainer, module)
     after = validate(trainer, module, datamodule)
-    export = export_trained(trainer, module.draft, tokenizer, out_dir / "export", {**metadata, **after})
+    export = export_trained(
+        trainer, module.draft, tokenizer, out_dir / "export", {**metadata, **after}, module.kind
+    )
     return {**before, **after, "export": str(export)}
 
 

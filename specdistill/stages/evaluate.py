@@ -36,9 +36,12 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     if unknown_heads:
         raise ValueError(f"evaluate.heads names drafts that are not evaluated: {sorted(unknown_heads)}")
     device = pick_device(settings.device)
-    tokenizer, target, models, vocab_size = load_frozen_target_and_drafts(cfg, drafts, device)
+    tokenizer, target, loaded, vocab_size = load_frozen_target_and_drafts(cfg, drafts, device)
+    models = {
+        name: draft.proposer(vocab_size) for name, draft in loaded.items()
+    }  # what the engine drafts with
     heads = {
-        name: AcceptanceHead.load(path, device=device, draft=models[name])
+        name: AcceptanceHead.load(path, device=device, draft=loaded[name].model)
         for name, path in (settings.heads or {}).items()
     }
     datamodule = build_datamodule(cfg, tokenizer, max_length=settings.max_length)

@@ -53,7 +53,10 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         tokenizer = shared_tokenizer(cfg, {})
         prompts = _prompts(cfg, tokenizer)
         given = _vllm_responses(cfg, prompts, sampling, tokenizer.eos_token_id, out_dir)
-    tokenizer, target, models, vocab_size = load_frozen_target_and_drafts(cfg, drafts, device)
+    tokenizer, target, loaded, vocab_size = load_frozen_target_and_drafts(cfg, drafts, device)
+    models = {
+        name: draft.model for name, draft in loaded.items()
+    }  # teacher-forced: the draft's own distributions
     if prompts is None:
         prompts = _prompts(cfg, tokenizer)
     rollouts, metrics = {}, {}

@@ -1,0 +1,190 @@
+"""What every draft kind provides: `DraftKind`, the target pass it reads (`TargetPass`) and a loaded draft.
+
+A draft kind is one way of making a draft for speculative decoding: a standalone causal LM (`standalone.py`), a
+draft cut from the target's own first layers (`cut_layers.py`), and later kinds that read the target's hidden
+states. One object per kind is built by Hydra from `conf/draft/<kind>.yaml` (`cfg.draft`); the stages only call
+its methods, so a new kind is one new module and one config file.
+
+An export records its kind in `draft_kind.json` (`KIND_FILE`): the Hydra node `record()` returns, with the kind's
+class as `_target_`. `specdistill.drafts.load_draft` builds the kind back from that node and lets it load the export.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from specdistill.export.hf import export_pretrained
+from specdistill.losses.rows import HiddenRows, OutputHead, answer_rows
+from specdistill.losses.sparse import SparseRows
+from specdistill.models.loading import ModelSpec, load_model
+from specdistill.models.vocab import check_model_covers_vocab
+
+KIND_FILE = "draft_kind.json"
+
+
+@dataclass(frozen=True)
+class TargetPass:
+    """What the target's forward gave for one micro-batch (computed once, without gradients).
+
+    Attributes:
+        rows: the target's answer rows, `(N, H)` final hidden states and its output layer (`HiddenRows`), or its
+            cached top-m distributions (`SparseRows`) when training from a target cache.
+        hidden_states: layer index -> `(B, T, H)` hidden states of the target at that layer (0: the embeddings,
+            as Hugging Face's `output_hidden_states` counts), for the layers the draft kind's `target_layers` names;
+            empty otherwise.
+    """
+
+    rows: HiddenRows | SparseRows
+    hidden_states: Mapping[int, torch.Tensor] = field(default_factory=dict)
+
+
+def target_pass(
+    target: nn.Module,
+    batch: Mapping[str, Any],
+    keep: torch.Tensor,
+    vocab_size: int,
+    layers: Sequence[int] = (),
+) -> TargetPass:
+    """Run the target once on `batch`: its answer rows and its hidden states at `layers`.
+
+    Args:
+        target: the frozen causal LM (call under `torch.no_grad()`).
+        batch: holds `input_ids` and `attention_mask`, both `(B, T)`.
+        keep: `(B, T-1)` bool answer mask.
+        vocab_size: the tokenizer's real vocabulary.
+        layers: hidden-state layers to keep (none: exactly `answer_rows`, the same ops as a plain target pass).
+    """
+    if not layers:
+        return TargetPass(answer_rows(target, batch, keep, vocab_size))
+    body = getattr(target, "base_model", target)
+    out = body(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True
+    )
+    states = out.hidden_states
+    missing = [layer for layer in layers if not -len(states) <= layer < len(states)]
+    if missing:
+        raise ValueError(
+            f"the draft kind asks for target layers {missing}, but the target gives {len(states)} hidden states "
+            f"(embeddings and {len(states) - 1} layers)"
+        )
+    rows = HiddenRows(out.last_hidden_state[:, :-1][keep], OutputHead(target, vocab_size))
+    return TargetPass(rows, {layer: states[layer] for layer in layers})
+
+
+class DraftKind:
+    """One kind of draft: how it is built, trained against the target, exported, loaded and decoded with.
+
+    A kind implements `build`. The other methods default to what a draft that is a standalone causal LM once built
+    does (`standalone.py`, `cut_layers.py`): its rows are its own answer rows, it exports and loads as a Hugging Face
+    model and the engine drafts with the model itself. A kind whose draft is something else (a head reading the
+    target's hidden states: it sets `target_layers`) overrides them. A kind's constructor arguments are its settings
+    (`conf/draft/<kind>.yaml`); `settings()` returns those that an export needs to be loaded again.
+    """
+
+    target_layers: tuple[int, ...] = ()
+
+    def specs(self, role: str) -> dict[str, ModelSpec]:
+        """The checkpoints this kind loads its draft from, by role name (their tokenizers are checked against the
+        pair's); none by default."""
+        return {}
+
+    def build(self, target: nn.Module | None, vocab_size: int, pure_bf16: bool = False) -> nn.Module:
+        """The trainable draft a training stage starts from, with fp32 weights (bfloat16 under `pure_bf16`).
+
+        Args:
+            target: the loaded frozen target (None in stages without one).
+            vocab_size: the tokenizer's real vocabulary.
+            pure_bf16: train bfloat16 parameters without fp32 master weights.
+        """
+        raise NotImplementedError
+
+    def rows(
+        self,
+        draft: nn.Module,
+        batch: Mapping[str, Any],
+        keep: torch.Tensor,
+        target: TargetPass,
+        vocab_size: int,
+    ) -> HiddenRows:
+        """The draft's answer rows that the divergences compare with `target.rows` (same `N` rows, same order);
+        by default the draft's own `answer_rows` (`(N, H)` final hidden states and its output layer).
+
+        Args:
+            draft: the model `build` (or `load`) returned.
+            batch: holds `input_ids` and `attention_mask`, both `(B, T)`.
+            keep: `(B, T-1)` bool answer mask.
+            target: the target pass of this batch.
+            vocab_size: the tokenizer's real vocabulary.
+        """
+        return answer_rows(draft, batch, keep, vocab_size)
+
+    def export(
+        self,
+        draft: nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        out_dir: Path,
+        metadata: dict[str, Any] | None = None,
+    ) -> Path:
+        """Write `draft` (safetensors), `tokenizer` and this kind's record (`write_record`) into `out_dir`; by
+        default the Hugging Face export (`export_pretrained`, `metadata` in `specdistill.json`) and the record."""
+        out = export_pretrained(draft, tokenizer, out_dir, metadata)
+        self.write_record(out)
+        return out
+
+    def load(self, spec: ModelSpec, vocab_size: int | None = None) -> nn.Module:
+        """The draft of an export of this kind (`spec.pretrained_model_name_or_path`), in `spec.dtype`; by default
+        `load_model(spec)`, checked to cover the tokenizer's `vocab_size` when given."""
+        model = load_model(spec, vocab_size=vocab_size)
+        if vocab_size is not None:
+            check_model_covers_vocab("draft", model, vocab_size)
+        return model
+
+    def proposer(self, model: nn.Module, vocab_size: int) -> nn.Module:
+        """What the decoding engine drafts with for `model`.
+
+        A kind may return any proposer the engine accepts; by default the model itself, a causal LM, which the
+        engine drafts with as it always has.
+        """
+        return model
+
+    def record(self) -> dict[str, Any]:
+        """The Hydra node that rebuilds this kind from an export: its class as `_target_` and its settings."""
+        cls = type(self)
+        return {"_target_": f"{cls.__module__}.{cls.__qualname__}", **self.settings()}
+
+    def settings(self) -> dict[str, Any]:
+        """The constructor arguments an export of this kind needs to be loaded (JSON values); none by default."""
+        return {}
+
+    def write_record(self, out_dir: Path) -> Path:
+        """Write `record()` to `<out_dir>/draft_kind.json`; returns its path."""
+        path = Path(out_dir) / KIND_FILE
+        path.write_text(json.dumps(self.record(), indent=2) + "\n")
+        return path
+
+
+@dataclass(frozen=True)
+class LoadedDraft:
+    """A draft ready for a stage: its kind and its model (e.g. what `load_draft` returns for an export).
+
+    Attributes:
+        kind: the draft kind that built or loaded `model`.
+        model: the draft model (its state dict is what an acceptance head's fingerprint reads).
+        source: where it was loaded from (export directory or hub id); None when built.
+    """
+
+    kind: DraftKind
+    model: nn.Module
+    source: str | None = None
+
+    def proposer(self, vocab_size: int) -> nn.Module:
+        """What the decoding engine drafts with (`DraftKind.proposer`)."""
+        return self.kind.proposer(self.model, vocab_size)
