@@ -2,7 +2,9 @@
 
 A causal LM's logits are `output_layer(last_hidden_state)` (`(B, T, H) -> (B, T, V)`, plus Gemma-2's final soft cap).
 At a real vocabulary (Qwen2.5's 152k) that tensor is gigabytes per micro-batch and model, so the loss path keeps
-only the answer positions' hidden states `(N, H)` and projects them chunk by chunk (`specdistill.losses.chunked`):
+only the answer positions' hidden states `(N, H)` and projects them chunk by chunk (`specdistill.losses.chunked`)
+with the model's `OutputHead` (`specdistill.models.output_rows`, the one place logits are projected from hidden
+states; re-exported here with `final_hidden_states` for the loss path's callers):
 
 - `HiddenRows(hidden, head)`: `(N, H)` hidden states and the head that gives their logits `(n, vocab_size)`.
 - `LogitRows(logits)`: already materialised `(N, V)` logits (tests, callers that have them).
@@ -21,38 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from specdistill.models.output_rows import OutputHead, final_hidden_states
 
-class OutputHead:
-    """A model's output layer as `hidden (n, H) -> logits (n, vocab_size)`, exactly as its forward computes them.
-
-    Calls the layer module itself (not its weight), so hooks that gather sharded parameters (DeepSpeed ZeRO-3) fire;
-    applies `config.final_logit_softcapping` (Gemma-2) like the model's forward; drops padded rows beyond the real
-    vocabulary.
-    """
-
-    def __init__(self, model: nn.Module, vocab_size: int) -> None:
-        model = _unwrap(model)
-        layer = model.get_output_embeddings()
-        if layer is None:
-            raise ValueError(
-                f"{type(model).__name__} has no output layer (get_output_embeddings() is None): the loss path "
-                "needs a causal LM head model (e.g. AutoModelForCausalLM)"
-            )
-        rows = layer.weight.shape[0] if getattr(layer, "weight", None) is not None else None
-        if rows is not None and 0 < rows < vocab_size:
-            raise ValueError(
-                f"{type(model).__name__} gives {rows} logits but the tokenizer has {vocab_size} tokens: "
-                "draft, reference and target must share the tokenizer (set vocab_size to len(tokenizer))"
-            )
-        self.layer = layer
-        self.vocab_size = vocab_size
-        self.softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.layer(hidden)
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits[..., : self.vocab_size]
+__all__ = ["HiddenRows", "LogitRows", "OutputHead", "answer_rows", "final_hidden_states"]
 
 
 @dataclass(frozen=True)
@@ -103,24 +76,6 @@ class LogitRows:
 
     def against(self, draft_logits: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.logits(*inputs), draft_logits
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The HF model inside a DeepSpeed engine wrapper (frozen ZeRO-3 models, `specdistill.utils.frozen_sharding`)."""
-    return model.module if type(model).__name__ == "DeepSpeedEngine" else model
-
-
-def final_hidden_states(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
-    """`(B, T, H)` last hidden state (after the final norm) from the model's body, without its output layer."""
-    model = _unwrap(model)
-    body = getattr(model, "base_model", model)
-    if body is model:
-        raise ValueError(
-            f"{type(model).__name__} has no separate body (base_model is the model itself): the hidden-state loss "
-            "path needs a causal LM with an output layer on top of a base model (e.g. AutoModelForCausalLM)"
-        )
-    out = body(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
 def answer_rows(

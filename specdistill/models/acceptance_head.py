@@ -30,6 +30,7 @@ from torch import nn
 from specdistill.errors import InputFileError
 from specdistill.export.hf import umask_modes
 from specdistill.models.draft_identity import draft_fingerprint
+from specdistill.models.output_rows import OutputHead
 
 CONFIG_NAME = "head_config.json"
 HEAD_INPUTS = ("candidate", "proposer")
@@ -297,12 +298,11 @@ def draft_features(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def draft_logits(draft: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """The draft's logits for final-norm hidden states `(..., H)`: its LM head, then Gemma-2's soft cap if any."""
-    logits = draft.get_output_embeddings()(hidden)
-    softcap = getattr(draft.config, "final_logit_softcapping", None)
-    if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
-    return logits
+    """The draft's logits `(..., V')` for final-norm hidden states `(..., H)`, over every output row (`OutputHead`).
+
+    Its LM head, then Gemma-2's soft cap if any; padded rows are kept (callers slice to the real vocabulary).
+    """
+    return OutputHead(draft)(hidden)
 
 
 def draft_hidden_states(

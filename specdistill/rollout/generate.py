@@ -17,6 +17,7 @@ import torch
 
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.models.cache import forward_with_cache, takes_logits_to_keep
+from specdistill.models.output_rows import logits_at
 from specdistill.rollout.labels import sample_draft_tokens, soft_labels
 
 
@@ -169,19 +170,21 @@ def _response_logits(
     pad_token_id: int,
     vocab_size: int,
 ) -> list[torch.Tensor]:
-    """Per row, `(n_i, V)` logits at the positions that predict the response tokens (teacher forcing)."""
+    """Per row, `(n_i, vocab_size)` logits at the positions that predict the response tokens (teacher forcing).
+
+    Projects only those positions' hidden states (`logits_at`), never the `(B, T, V)` logits of the whole batch.
+    """
     device = _device(model)
     input_ids, attention_mask = right_pad(sequences, pad_token_id)
-    logits = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits
-    if logits.shape[-1] < vocab_size:
-        raise ValueError(
-            f"model has {logits.shape[-1]} output rows, fewer than the vocabulary ({vocab_size})."
-        )
     # Logits at position t predict token t+1: response token i (at P+i) is predicted at P+i-1.
-    return [
-        logits[row, start - 1 : len(seq) - 1, :vocab_size]
-        for row, (seq, start) in enumerate(zip(sequences, prompt_lengths, strict=True))
-    ]
+    positions = torch.zeros_like(input_ids, dtype=torch.bool)
+    for row, (seq, start) in enumerate(zip(sequences, prompt_lengths, strict=True)):
+        positions[row, start - 1 : len(seq) - 1] = True
+    batch = {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
+    logits = logits_at(model, batch, positions, vocab_size)
+    return list(
+        logits.split([len(seq) - start for seq, start in zip(sequences, prompt_lengths, strict=True)])
+    )
 
 
 @torch.no_grad()

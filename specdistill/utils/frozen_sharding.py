@@ -15,6 +15,7 @@ the frozen model the same number of times per step (ZeRO-3 gathers are collectiv
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -27,7 +28,13 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def is_deepspeed_engine(model: Any) -> bool:
-    return type(model).__name__ == "DeepSpeedEngine"
+    """Whether `model` is a `deepspeed.DeepSpeedEngine` (what `prepare_frozen` returns under ZeRO-3).
+
+    An isinstance check against DeepSpeed's engine class, looked up among the imported modules rather than
+    imported: an engine exists only once DeepSpeed is imported, and a run without it never pays for the import.
+    """
+    engine_class = getattr(sys.modules.get("deepspeed"), "DeepSpeedEngine", None)
+    return engine_class is not None and isinstance(model, engine_class)
 
 
 def _hidden_size(model: torch.nn.Module) -> int | None:
