@@ -83,10 +83,12 @@ def deepspeed_strategy(
 
 def deepspeed_stage(strategy: Any) -> int | None:
     """The ZeRO stage of a (Lightning) strategy, or None when it is not a DeepSpeed strategy."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy  # importable without DeepSpeed itself
+
     config = getattr(strategy, "config", None)
-    if not isinstance(config, Mapping) or "zero_optimization" not in config:
+    if not isinstance(strategy, DeepSpeedStrategy) or not isinstance(config, Mapping):
         return None
-    if not type(strategy).__name__.startswith("DeepSpeed"):
+    if "zero_optimization" not in config:
         return None
     return int(config["zero_optimization"].get("stage", 0))
 
