@@ -13,7 +13,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from torch.utils.data import DataLoader, TensorDataset
 
-from specdistill.utils.wandb_logger import has_api_key, log_export, log_report, read_offline_run
+from specdistill.utils.wandb_logger import has_api_key, log_export, log_report
+from tests.wandb_files import read_offline_run
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

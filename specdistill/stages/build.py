@@ -20,7 +20,9 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf, open_dict
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from specdistill.callbacks.fingerprint import RunFingerprint
 from specdistill.callbacks.progress import training_progress_bar
+from specdistill.callbacks.scaleout import scaleout_callbacks
 from specdistill.data.datamodule import TaskDataModule
 from specdistill.export.hf import export_pretrained
 from specdistill.models import ModelSpec, check_model_covers_vocab, check_same_tokenizer, freeze, load_model
@@ -28,7 +30,6 @@ from specdistill.models.loading import is_placed_across_devices
 from specdistill.models.precision import MasterWeightsCheck, check_training_precision, trainable_spec
 from specdistill.models.tokenizer import ensure_pad_token, load_tokenizer
 from specdistill.utils.batching import BatchPlan, batch_plan, world_size
-from specdistill.utils.cluster import RunFingerprint, scaleout_callbacks
 from specdistill.utils.run_dir import check_checkpoint, is_rank_zero
 from specdistill.utils.strategy import check_devices, full_weights
 from specdistill.utils.wandb_logger import log_export
