@@ -71,7 +71,7 @@ def read_offline_run(path: str | Path) -> dict[str, Any]:
 
     Returns:
         `{"history": [row, ...], "config": {...}, "summary": {...}, "run": {"id", "project", "group", "name",
-        "tags"}}`.
+        "tags"}, "artifacts": [{"name", "type", "metadata"}, ...]}` (artifacts as logged, before any upload).
 
     wandb 0.31 ships no Python reader for run files (its Go core writes and syncs them), so this parses the
     documented on-disk format: LevelDB-log framing of `wandb_internal_pb2.Record` protobufs.
@@ -91,6 +91,7 @@ def read_offline_run(path: str | Path) -> dict[str, Any]:
     config: dict[str, Any] = {}
     summary: dict[str, Any] = {}
     run: dict[str, Any] = {}
+    artifacts: list[dict[str, Any]] = []
     for payload in _records(path.read_bytes()):
         record = pb.Record()
         record.ParseFromString(payload)
@@ -106,9 +107,14 @@ def read_offline_run(path: str | Path) -> dict[str, Any]:
                 "name": info.display_name,
                 "tags": list(info.tags),
             }
+        if kind == "artifact":
+            info = record.artifact
+            artifacts.append(
+                {"name": info.name, "type": info.type, "metadata": json.loads(info.metadata or "{}")}
+            )
         if kind in ("config", "run"):
             items = record.config.update if kind == "config" else record.run.config.update
             config.update({_item_key(i): json.loads(i.value_json) for i in items})
         elif kind == "summary":
             summary.update({_item_key(i): json.loads(i.value_json) for i in record.summary.update})
-    return {"history": history, "config": config, "summary": summary, "run": run}
+    return {"history": history, "config": config, "summary": summary, "run": run, "artifacts": artifacts}

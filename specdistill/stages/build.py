@@ -25,14 +25,14 @@ from specdistill.callbacks.progress import training_progress_bar
 from specdistill.callbacks.scaleout import scaleout_callbacks
 from specdistill.data.datamodule import TaskDataModule
 from specdistill.export.hf import export_pretrained
+from specdistill.export.publish import publish_export
 from specdistill.models import ModelSpec, check_model_covers_vocab, check_same_tokenizer, freeze, load_model
 from specdistill.models.loading import is_placed_across_devices
 from specdistill.models.precision import MasterWeightsCheck, check_training_precision, trainable_spec
 from specdistill.models.tokenizer import ensure_pad_token, load_tokenizer
 from specdistill.utils.batching import BatchPlan, batch_plan, world_size
 from specdistill.utils.run_dir import check_checkpoint, is_rank_zero
-from specdistill.utils.strategy import check_devices, full_weights
-from specdistill.utils.wandb_logger import log_export
+from specdistill.utils.strategy import check_devices
 
 log = logging.getLogger(__name__)
 
@@ -308,12 +308,9 @@ def export_trained(
 ) -> Path:
     """Write the Hugging Face export of a trained model (gathering ZeRO-3 shards first; rank 0 writes) and, when
     the logger is W&B with `log_model`, upload it as an artifact."""
-    with full_weights(model, trainer):
-        if trainer.is_global_zero:
-            export_pretrained(model, tokenizer, out_dir, metadata)
-    trainer.strategy.barrier()
-    log_export(trainer.logger, out_dir, metadata)
-    return out_dir
+    return publish_export(
+        trainer, model, out_dir, lambda out: export_pretrained(model, tokenizer, out, metadata), metadata
+    )
 
 
 def stage_logger(cfg: DictConfig, out_dir: Path):
