@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from specdistill.aggregate import summarize, t_quantile_975
 from specdistill.collect import collect, main, setting_columns, summarize_sweep
-from specdistill.utils.wandb_logger import read_offline_run
+from tests.wandb_files import read_offline_run
 
 # kl and acceptance per (selector, seed): AdaSPEC lower kl on every seed, by different margins.
 KL = {("adaspec", 0): 0.33, ("adaspec", 1): 0.37, ("adaspec", 2): 0.31, ("none", 0): 0.38, ("none", 1): 0.45,

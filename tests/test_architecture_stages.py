@@ -73,7 +73,7 @@ def test_every_stage_runs_on_the_architecture(hydra_ctx, arch, tmp_path):
         cfg.paths.output_dir = str(tmp_path)
         cfg.logger = None
         # one trained draft (AdaSPEC's) goes on to rollout, heads and evaluation; the reference only feeds AdaSPEC
-        cfg.stage.steps.distill.outputs.export = ["adaspec.reference"]
+        cfg.stage.steps.distill.provides = {}
     results = pipeline.run(cfg, tmp_path)
 
     assert list(results) == ["sft", "distill", "adaspec", "rollout", "acceptance_head", "evaluate"]

@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from specdistill.collect import collect, main, parse_overrides
-from specdistill.utils.wandb_logger import read_offline_run
+from tests.wandb_files import read_offline_run
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

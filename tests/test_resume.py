@@ -15,13 +15,12 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
+from specdistill.callbacks.fingerprint import RunFingerprint
+from specdistill.callbacks.preemption import PreemptionCheckpoint, SignalAtStep
 from specdistill.utils.cluster import (
     DEBUG_SIGNAL_ENV,
     FINGERPRINT_FILE,
     PREEMPTED_EXIT_CODE,
-    PreemptionCheckpoint,
-    RunFingerprint,
-    SignalAtStep,
     check_run_dir,
     run_fingerprint,
 )

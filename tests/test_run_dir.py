@@ -40,6 +40,30 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 # -- pipeline steps -------------------------------------------------------------------------------------------------
 
 
+def test_a_new_draft_producing_step_reaches_every_later_step_that_takes_drafts(tmp_path):
+    """A step declared only by this test (provides a draft) reaches evaluate's drafts, keyed by its name, after the
+    drafts of distill (labelled distillspec) and adaspec; evaluate's declaration and settings are not edited."""
+    extra = "+stage.steps.extra={run: {_target_: tests.fake_stage.run, _partial_: true}, provides: {draft: export}}"
+    cfg = composed(*FAKE, extra, "pipeline.steps=[sft,distill,adaspec,extra,rollout,evaluate]")
+    pipeline.run(cfg, tmp_path)
+    drafts = {name: str(tmp_path / name / "export") for name in ("distill", "adaspec", "extra")}
+    expected = {"distillspec": drafts["distill"], "adaspec": drafts["adaspec"], "extra": drafts["extra"]}
+    assert dict(cfg.evaluate.drafts) == expected and dict(cfg.rollout.drafts) == expected
+    assert (
+        dict(cfg.acceptance_head.drafts) == {}
+    )  # the acceptance_head step does not run: nothing is wired to it
+    assert cfg.adaspec.reference == drafts["distill"]  # a literal output, as before
+
+
+def test_every_step_is_declared_once_and_a_stage_alone_composes_the_groups_its_step_reads():
+    pipe = composed()
+    for name, step in pipe.stage.steps.items():
+        alone = composed(f"stage={name}")
+        assert alone.stage.run == step.run and alone.stage.name == name
+        shared = {"divergence", "selector", "sampling"}
+        assert {g for g in shared if g in alone} == set(step.get("reads") or []), name
+
+
 def test_pipeline_relaunch_with_the_same_settings_reuses_every_step(tmp_path):
     assert run_pipeline(tmp_path) == STEPS
     assert run_pipeline(tmp_path) == []

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specdistill.utils.wandb_logger import read_offline_run
 from tests.helpers import TINY, check_ok, run_train, stage_overrides
+from tests.wandb_files import read_offline_run
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from torch.utils.data import DataLoader, TensorDataset
 
-from specdistill.utils.wandb_logger import has_api_key, log_export, log_report, read_offline_run
+from specdistill.utils.wandb_logger import has_api_key, log_export, log_report
+from tests.wandb_files import read_offline_run
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -256,3 +257,39 @@ def test_a_report_of_tables_only_logs_no_empty_table_and_fills_the_summary(
         and "autoregressive/acceptance_rate" not in summary
     )
     assert summary["d/acceptance_head_over_oracle"] == 0.9
+
+
+@pytest.mark.parametrize("log_model", [True, False])
+def test_a_head_export_goes_up_as_a_model_artifact_only_with_log_model(
+    no_account, tmp_path: Path, log_model
+) -> None:
+    """An acceptance head leaves its run through specdistill/export/ like a draft: rank 0 writes it, and with
+    `logger.log_model=true` it is logged as a `model` artifact (none without)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdistill.export.head import export_head
+    from specdistill.models.acceptance_head import AcceptanceHead
+
+    config = AutoConfig.for_model(
+        "gpt_neox",
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+    )
+    draft = AutoModelForCausalLM.from_config(config)
+    save_dir = tmp_path / "run"
+    logger = wandb_logger_from_preset(save_dir, f"logger.log_model={str(log_model).lower()}")
+    trainer = L.Trainer(logger=logger, accelerator="cpu", devices=1, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    head = AcceptanceHead(hidden_size=16, num_blocks=0)
+    metadata = {"stage": "acceptance_head", "draft": "adaspec"}
+    export = export_head(trainer, head, save_dir / "export", draft, "drafts/adaspec", metadata)
+    assert AcceptanceHead.read_config(export)["draft"]["source"] == "drafts/adaspec"
+    logger.log_metrics({"done": 1.0})  # a summary record marks the run file as complete (read_finished_run)
+    logger.experiment.finish()
+
+    artifacts = read_finished_run(offline_run_dir(save_dir))["artifacts"]
+    expected = [{"type": "model", "metadata": metadata}] if log_model else []
+    assert [{"type": a["type"], "metadata": a["metadata"]} for a in artifacts] == expected

@@ -12,8 +12,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from specdistill.decoding.sampling import SamplingConfig
+from specdistill.export.head import export_head
 from specdistill.head_data import RolloutDataModule, build_hidden_cache
-from specdistill.models.draft_identity import describe_draft
 from specdistill.modules.acceptance_head import AcceptanceHeadModule
 from specdistill.rollout.storage import read_settings
 from specdistill.stages.build import (
@@ -91,10 +91,10 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         trainer = build_trainer(cfg, "acceptance_head", run_dir, trainer_cfg)
         fit(trainer, module, datamodule)
         trainer.validate(module, datamodule=datamodule, verbose=False)
-        export = run_dir / "export"
-        if trainer.is_global_zero:
-            module.head.save(export, draft=describe_draft(draft, drafts[name].pretrained_model_name_or_path))
-        trainer.strategy.barrier()
+        export = export_head(
+            trainer, module.head, run_dir / "export", draft, drafts[name].pretrained_model_name_or_path,
+            {"stage": "acceptance_head", "task": cfg.task.name, "draft": name},
+        )  # fmt: skip
         result["heads"][name] = str(export)
         result.update({f"{name}/{k}": v for k, v in logged_metrics(trainer, VAL_METRICS).items()})
     return write_result(out_dir, result)

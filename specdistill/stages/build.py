@@ -22,19 +22,20 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from specdistill.callbacks.fingerprint import RunFingerprint
 from specdistill.callbacks.progress import training_progress_bar
+from specdistill.callbacks.scaleout import scaleout_callbacks
 from specdistill.data.datamodule import TaskDataModule
 from specdistill.drafts import DraftKind, LoadedDraft, Standalone, load_draft
 from specdistill.export.hf import export_pretrained
+from specdistill.export.publish import publish_export
 from specdistill.models import ModelSpec, check_model_covers_vocab, check_same_tokenizer, freeze, load_model
 from specdistill.models.loading import is_placed_across_devices
 from specdistill.models.precision import MasterWeightsCheck, check_training_precision, trainable_spec
 from specdistill.models.tokenizer import ensure_pad_token, load_tokenizer
 from specdistill.utils.batching import BatchPlan, batch_plan, world_size
-from specdistill.utils.cluster import RunFingerprint, scaleout_callbacks
 from specdistill.utils.run_dir import check_checkpoint, is_rank_zero
-from specdistill.utils.strategy import check_devices, full_weights
-from specdistill.utils.wandb_logger import log_export
+from specdistill.utils.strategy import check_devices
 
 log = logging.getLogger(__name__)
 
@@ -356,15 +357,13 @@ def export_trained(
     """Write the export of a trained model (gathering ZeRO-3 shards first; rank 0 writes) and, when the logger is
     W&B with `log_model`, upload it as an artifact. A draft exports through its `kind` (`DraftKind.export`, which
     records the kind); other models (sft's target) as Hugging Face models."""
-    with full_weights(model, trainer):
-        if trainer.is_global_zero:
-            if kind is not None:
-                kind.export(model, tokenizer, out_dir, metadata)
-            else:
-                export_pretrained(model, tokenizer, out_dir, metadata)
-    trainer.strategy.barrier()
-    log_export(trainer.logger, out_dir, metadata)
-    return out_dir
+
+    def write(out: Path) -> object:
+        if kind is not None:
+            return kind.export(model, tokenizer, out, metadata)
+        return export_pretrained(model, tokenizer, out, metadata)
+
+    return publish_export(trainer, model, out_dir, write, metadata)
 
 
 def stage_logger(cfg: DictConfig, out_dir: Path):

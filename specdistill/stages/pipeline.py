@@ -1,8 +1,10 @@
 """Stage `pipeline`: run several stages in order in one run directory, feeding each step's outputs to the next.
 
-The chain and its wiring are data (`conf/stage/pipeline.yaml`): `stage.steps` gives every step's run function, the
-groups that shape it (`reads`), and, for each output its result holds (e.g. `export`), the config keys that output
-fills for later steps; the `pipeline` group's `steps` list says which run. Step `<name>` writes into
+The chain and its wiring are data: each step is declared once in `conf/step/<name>.yaml` (composed as
+`stage.steps.<name>`, see conf/step/README.md): its run function, the groups that shape it (`reads`), for each output
+its result holds (e.g. `export`) the config keys that output fills for later steps (`outputs`), and what it provides
+to every later step that takes that kind (`provides: {draft: export}` fills `<takes.draft>.<label>` of each later
+step with `takes: {draft: <map>}`); the `pipeline` group's `steps` list says which run. Step `<name>` writes into
 `<run_dir>/<name>` and records its fingerprint there (`run_fingerprint.json`): its settings chained with those of
 every earlier step, so a change re-runs the step it affects and every step after it.
 
@@ -124,7 +126,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         write_record(out_dir, run_fingerprint(cfg, "pipeline", groups=BASE_FINGERPRINT_KEYS))
     stamp = time.strftime("%Y%m%d-%H%M%S")
     results: dict[str, Any] = {}
-    for planned in steps:
+    for index, planned in enumerate(steps):
         name = planned.name
         step = cfg.stage.steps[name]
         step_dir = out_dir / name
@@ -143,6 +145,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             result = instantiate(step.run)(cfg, out_dir=step_dir)
         results[name] = result
         wire_outputs(cfg, name, step, result)
+        wire_provided(cfg, name, step, result, later=[s.name for s in steps[index + 1 :]])
     table = summary_table(results)
     print(f"pipeline finished: {out_dir}\n{table}")
     (out_dir / "summary.txt").write_text(table + "\n")
@@ -158,6 +161,24 @@ def wire_outputs(cfg: DictConfig, name: str, step: DictConfig, result: dict[str,
         for key in keys:
             with open_dict(cfg):
                 OmegaConf.update(cfg, key, result[output], force_add=True)
+
+
+def wire_provided(
+    cfg: DictConfig, name: str, step: DictConfig, result: dict[str, Any], later: list[str]
+) -> None:
+    """Give every step in `later` that takes a kind this step provides (`provides: {draft: export}`) the result
+    under this step's label: `<its takes.draft>.<label>` (the label defaults to the step's name)."""
+    label = str(step.get("label") or name)
+    for kind, output in (step.get("provides") or {}).items():
+        if output not in result:
+            raise KeyError(
+                f"pipeline step {name} returned no {output!r} to provide as {kind}; it returned {sorted(result)}"
+            )
+        for consumer in later:
+            key = (cfg.stage.steps[consumer].get("takes") or {}).get(kind)
+            if key is not None:
+                with open_dict(cfg):
+                    OmegaConf.update(cfg, f"{key}.{label}", result[output], force_add=True)
 
 
 def summary_table(results: dict[str, dict[str, Any]]) -> str:

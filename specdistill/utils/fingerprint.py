@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -86,3 +87,11 @@ def config_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[s
     """Dotted keys whose values differ between two config dictionaries (added and removed keys included)."""
     a, b = _flatten(dict(old)), _flatten(dict(new))
     return sorted(k for k in a.keys() | b.keys() if a.get(k, "<absent>") != b.get(k, "<absent>"))
+
+
+def sign_checkpoint_dir(path: str | Path, signature: Mapping[str, Any]) -> None:
+    """Write `CHECKPOINT_SIGNATURE` (the run's fingerprint) into a checkpoint directory."""
+    target = Path(path) / CHECKPOINT_SIGNATURE
+    tmp = target.with_suffix(".tmp")
+    tmp.write_text(json.dumps(dict(signature), sort_keys=True))
+    tmp.replace(target)

@@ -3,18 +3,16 @@ sweeps.
 
 `conf/logger/wandb.yaml` builds the logger with `wandb_logger`. Without an API key (no `WANDB_API_KEY`, no netrc
 entry) the run is written offline under `<run_dir>/wandb/` and the log says how to `wandb sync` it later. Helpers:
-`log_export` (the exported draft as a model artifact, when `log_model` is on), `log_report` (a report as a table plus
-PNG images) and `read_offline_run` (history, config and summary read back from an offline run's `.wandb` file).
+`log_export` (an export as a model artifact, when `log_model` is on: specdistill/export/ calls it), `log_report` (a
+report as a table plus PNG images) and `log_summary`. Tests read offline runs back with tests/wandb_files.py.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import netrc
 import os
 import re
-import struct
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -351,107 +349,3 @@ def log_summary(logger: Any, metrics: Mapping[str, Any]) -> bool:
     for item in targets:
         item.experiment.summary.update(values)
     return bool(targets and values)
-
-
-# -- reading offline runs -------------------------------------------------------------------------------------------
-
-_HEADER = struct.Struct("<4sHB")  # b":W&B", magic 0xBEE1, version
-_RECORD = struct.Struct("<IHB")  # crc32c, length, type (LevelDB log format)
-_BLOCK = 32768
-_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
-
-
-def _records(data: bytes) -> Iterable[bytes]:
-    """Payloads of a `.wandb` file: a 7-byte header, then LevelDB-log records in 32 KiB blocks."""
-    ident, magic, version = _HEADER.unpack_from(data, 0)
-    if ident != b":W&B" or magic != 0xBEE1:
-        raise ValueError(
-            "not a W&B run file (bad header); pass the run's run-<id>.wandb file or its directory"
-        )
-    pos, pending = _HEADER.size, b""
-    while pos + _RECORD.size <= len(data):
-        left = _BLOCK - pos % _BLOCK
-        if left < _RECORD.size:  # block trailer padding
-            pos += left
-            continue
-        _, length, kind = _RECORD.unpack_from(data, pos)
-        pos += _RECORD.size
-        chunk = data[pos : pos + length]
-        pos += length
-        if kind == _FULL:
-            yield chunk
-        elif kind == _FIRST:
-            pending = chunk
-        elif kind == _MIDDLE:
-            pending += chunk
-        elif kind == _LAST:
-            yield pending + chunk
-            pending = b""
-        elif kind == 0 and length == 0:  # zero padding at the end of a block
-            pos += left - _RECORD.size - length
-        else:
-            raise ValueError(f"corrupt W&B run file: record type {kind} at byte {pos}")
-
-
-def _item_value(item: Any) -> Any:
-    """A history value: typed (`oneof value`) in recent wandb cores, JSON text in older ones."""
-    which = item.WhichOneof("value")
-    if which is None or which == "value_json":
-        return json.loads(item.value_json) if item.value_json else None
-    if which == "json":
-        return json.loads(item.json)
-    if which == "none":
-        return None
-    return getattr(item, which)
-
-
-def _item_key(item: Any) -> str:
-    return "/".join(item.nested_key) if item.nested_key else item.key
-
-
-def read_offline_run(path: str | Path) -> dict[str, Any]:
-    """Read back what an (offline) run recorded.
-
-    Returns:
-        `{"history": [row, ...], "config": {...}, "summary": {...}, "run": {"id", "project", "group", "name",
-        "tags"}}`.
-
-    wandb 0.31 ships no Python reader for run files (its Go core writes and syncs them), so this parses the
-    documented on-disk format: LevelDB-log framing of `wandb_internal_pb2.Record` protobufs.
-
-    Args:
-        path: a `run-<id>.wandb` file, or the run directory holding one (`<save_dir>/wandb/offline-run-*`).
-    """
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    path = Path(path)
-    if path.is_dir():
-        files = sorted(path.glob("*.wandb"))
-        if len(files) != 1:
-            raise FileNotFoundError(f"expected one run-*.wandb file in {path}, found {len(files)}")
-        path = files[0]
-    history: list[dict[str, Any]] = []
-    config: dict[str, Any] = {}
-    summary: dict[str, Any] = {}
-    run: dict[str, Any] = {}
-    for payload in _records(path.read_bytes()):
-        record = pb.Record()
-        record.ParseFromString(payload)
-        kind = record.WhichOneof("record_type")
-        if kind == "history":
-            history.append({_item_key(i): _item_value(i) for i in record.history.item})
-        if kind == "run":
-            info = record.run
-            run = {
-                "id": info.run_id,
-                "project": info.project,
-                "group": info.run_group,
-                "name": info.display_name,
-                "tags": list(info.tags),
-            }
-        if kind in ("config", "run"):
-            items = record.config.update if kind == "config" else record.run.config.update
-            config.update({_item_key(i): json.loads(i.value_json) for i in items})
-        elif kind == "summary":
-            summary.update({_item_key(i): json.loads(i.value_json) for i in record.summary.update})
-    return {"history": history, "config": config, "summary": summary, "run": run}

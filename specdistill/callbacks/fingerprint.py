@@ -1,0 +1,64 @@
+"""The run's fingerprint in every checkpoint, checked on load (specdistill/utils/fingerprint.py makes it)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+from specdistill.utils.fingerprint import config_differences, sign_checkpoint_dir
+
+log = logging.getLogger(__name__)
+
+
+class RunFingerprint(L.Callback):
+    """Write the run's model fingerprint into every checkpoint and refuse to load a checkpoint of other models.
+
+    Stored under `checkpoint["specdistill"] = {"models": <hash>, "fingerprint": <hash>, "models_config": {...}}`;
+    a checkpoint directory (DeepSpeed) also gets `CHECKPOINT_SIGNATURE` beside its files once saved, which
+    `specdistill.utils.run_dir.check_checkpoint` reads before DeepSpeed unpickles anything.
+    """
+
+    def __init__(self, fingerprint: Mapping[str, Any]) -> None:
+        self.models = fingerprint["models"]
+        self.fingerprint = fingerprint["fingerprint"]
+        self.models_config = fingerprint["config"].get("models")
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        strategy = trainer.strategy
+        if getattr(strategy.save_checkpoint, "_specdistill_signs", False):
+            return
+        save = strategy.save_checkpoint
+
+        def save_and_sign(checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
+            save(checkpoint, filepath, storage_options=storage_options)
+            if Path(filepath).is_dir() and trainer.is_global_zero:
+                sign_checkpoint_dir(filepath, {"fingerprint": self.fingerprint, "models": self.models})
+
+        save_and_sign._specdistill_signs = True  # type: ignore[attr-defined]
+        strategy.save_checkpoint = save_and_sign  # type: ignore[method-assign]
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        checkpoint["specdistill"] = {
+            "models": self.models,
+            "fingerprint": self.fingerprint,
+            "models_config": self.models_config,
+        }
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        saved = checkpoint.get("specdistill")
+        if saved is None:
+            log.warning(
+                "checkpoint has no specdistill fingerprint (written by another tool?); loading it unchecked"
+            )
+            return
+        if saved.get("models") != self.models:
+            changed = config_differences(saved.get("models_config") or {}, self.models_config or {})
+            raise ValueError(
+                f"the checkpoint was written for other models (models config differs in: "
+                f"{', '.join(changed[:10]) or '?'}); resume with the same models=... settings, or start a new run "
+                "directory (hydra.run.dir=<new dir>)"
+            )
