@@ -30,20 +30,21 @@ from specdistill.stages.build import (
     training_datamodule,
     write_result,
 )
+from specdistill.stages.settings import build_settings
 
 VAL_METRICS = ["val/kl", "val/expected_acceptance"]
 TRAINED_ROLES = ("draft",)  # loaded with fp32 master weights; the target stays frozen
 
 
 def run(cfg: DictConfig, out_dir: Path) -> dict:
-    settings = cfg.distill
+    settings = build_settings(cfg, "distill")
     trainer_cfg = trainer_config(cfg, "distill")
     seed_everything(cfg)
     specs = {"target": model_spec(cfg.models.target), "draft": model_spec(cfg.models.draft)}
     tokenizer, models, vocab_size = load_models(cfg, specs, trainable=TRAINED_ROLES)
     datamodule = training_datamodule(cfg, tokenizer, settings, trainer_cfg)
     target = models.pop("target")
-    if settings.get("cached_target"):
+    if settings.cached_target:
         # cached at fit start where the Trainer places the target, every rank a share of each split (or reused);
         # the target is released after that pass: training reads the cache
         target = CacheOnceTarget(
