@@ -188,8 +188,10 @@ def check_added_keys(cfg: DictConfig) -> None:
         fields = settings_fields(parent)
         if fields is not None and name in fields:
             continue  # a field of a stage's settings that its group leaves at the default
-        if isinstance(parent, DictConfig) and fields is None and (
-            "_target_" in parent or parent_key.rpartition(".")[2] in PASSED_WHOLE or len(parent) == 0
+        if (
+            isinstance(parent, DictConfig)
+            and fields is None
+            and ("_target_" in parent or parent_key.rpartition(".")[2] in PASSED_WHOLE or len(parent) == 0)
         ):
             continue
         known = fields or ([str(k) for k in parent.keys()] if isinstance(parent, DictConfig) else [])

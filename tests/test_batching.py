@@ -121,7 +121,9 @@ def test_adaspec_preset_trains_exactly_its_baselines_optimizer_steps(hydra_ctx, 
         assert epochs == distill_cfg.max_epochs == 3
     baseline_steps = epochs * optimizer_steps_per_epoch(GSM8K_TRAIN, distill_plan)
 
-    settings, adaspec_cfg, baseline = compute_matched(build_settings(cfg, "adaspec"), trainer_config(cfg, "adaspec"))
+    settings, adaspec_cfg, baseline = compute_matched(
+        build_settings(cfg, "adaspec"), trainer_config(cfg, "adaspec")
+    )
     plan = stage_batch_plan(settings, adaspec_cfg)
     matched_steps(baseline, GSM8K_TRAIN, adaspec_cfg)
     assert baseline.plan == distill_plan and baseline.epochs == epochs

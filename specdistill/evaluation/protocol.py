@@ -177,7 +177,12 @@ def evaluate_drafts(
         vocab_size=vocab_size, eos_token_id=eos_token_id, warmup=protocol.warmup,
         max_draft_length=protocol.max_draft_length,
     )  # fmt: skip
-    selection = dict(prompts=selection_prompts, split=protocol.selection_split, repeats=protocol.selection_repeats, **common)
+    selection = dict(
+        prompts=selection_prompts,
+        split=protocol.selection_split,
+        repeats=protocol.selection_repeats,
+        **common,
+    )
     all_policies: dict[str, DraftPolicy] = dict(policies)
     combinations = [(d, p) for d in drafts for p in policies]
     choices: dict[str, dict[str, Any]] = {}

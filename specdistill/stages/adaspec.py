@@ -34,8 +34,8 @@ from specdistill.stages.build import (
     training_datamodule,
     write_result,
 )
-from specdistill.stages.settings import AdaSpecSettings, build_settings
 from specdistill.stages.distill import train_and_export
+from specdistill.stages.settings import AdaSpecSettings, build_settings
 from specdistill.utils.batching import BatchPlan, batch_plan, matched_max_steps, world_size
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,9 @@ def compute_matched(
     k = settings.k
     micro = settings.micro_batch_size
     settings = replace(
-        settings, batch_size=math.ceil(settings.batch_size / k), micro_batch_size=math.ceil(micro / k) if micro else micro
+        settings,
+        batch_size=math.ceil(settings.batch_size / k),
+        micro_batch_size=math.ceil(micro / k) if micro else micro,
     )
     trainer_cfg = trainer_cfg.copy()
     with open_dict(trainer_cfg):

@@ -164,7 +164,10 @@ def stage_batch_plan(settings: TrainingSettings, trainer_cfg: DictConfig) -> Bat
 
 
 def training_datamodule(
-    cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, settings: TaskTrainingSettings, trainer_cfg: DictConfig
+    cfg: DictConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    settings: TaskTrainingSettings,
+    trainer_cfg: DictConfig,
 ) -> TaskDataModule:
     """The data module of a training stage: its length and batch plan (`settings.batch_size` is the global batch;
     the micro-batch and the Trainer's gradient accumulation follow from the world size, see `stage_batch_plan`)."""

@@ -121,7 +121,14 @@ def check_count(where: str, key: str, value: Any, *, minimum: int = 1, optional:
 
 
 def check_number(
-    where: str, key: str, value: Any, low: float, high: float, *, low_open: bool = False, high_open: bool = False
+    where: str,
+    key: str,
+    value: Any,
+    low: float,
+    high: float,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
 ) -> None:
     """`<where>.<key>` is a number in the interval from `low` to `high` (open where said)."""
     inside = _is_number(value) and (value > low if low_open else value >= low)
@@ -133,7 +140,9 @@ def check_number(
 
 def check_choice(where: str, key: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ConfigError(f"{where}.{key}={value!r} is not one of {', '.join(choices)}, e.g. {where}.{key}={choices[0]}.")
+        raise ConfigError(
+            f"{where}.{key}={value!r} is not one of {', '.join(choices)}, e.g. {where}.{key}={choices[0]}."
+        )
 
 
 # -- stages ---------------------------------------------------------------------------------------------------------
@@ -406,11 +415,15 @@ class EvaluateSettings(StageSettings):
     def __post_init__(self) -> None:
         where = self.group
         object.__setattr__(
-            self, "acceptance_head", build_block(HeadPolicyGrid, f"{where}.acceptance_head", self.acceptance_head)
+            self,
+            "acceptance_head",
+            build_block(HeadPolicyGrid, f"{where}.acceptance_head", self.acceptance_head),
         )
         check_count(where, "max_draft_length", self.max_draft_length)
         if not self.fixed_lengths:
-            raise ConfigError(f"{where}.fixed_lengths is empty: give the K grid, e.g. {where}.fixed_lengths=[2,4].")
+            raise ConfigError(
+                f"{where}.fixed_lengths is empty: give the K grid, e.g. {where}.fixed_lengths=[2,4]."
+            )
         for k in self.fixed_lengths:
             if not _is_int(k) or not 1 <= k <= self.max_draft_length:
                 raise ConfigError(
