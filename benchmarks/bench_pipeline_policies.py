@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing; the run
 
 from specdistill.decoding.policies import DraftPolicy  # noqa: E402
 from specdistill.decoding.sampling import SamplingConfig  # noqa: E402
-from specdistill.evaluation.protocol import EvaluationResult, evaluate_drafts  # noqa: E402
+from specdistill.evaluation.protocol import EvalProtocol, EvaluationResult, evaluate_drafts  # noqa: E402
 from specdistill.evaluation.report import BASELINE_NAME  # noqa: E402
 from specdistill.models.acceptance_head import AcceptanceHead  # noqa: E402
 from specdistill.stages.build import (  # noqa: E402
@@ -230,15 +230,16 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     score_newest = {"both": [False, True], "false": False, "true": True}[args.score_newest]
-    result = evaluate_drafts(
-        target, models, heads, run_policies(cfg), fixed_lengths=args.fixed_lengths,
-        head_thresholds=args.thresholds, head_score_newest=score_newest,
+    protocol = EvalProtocol(
+        fixed_lengths=args.fixed_lengths, head_thresholds=args.thresholds, head_score_newest=score_newest,
         head_min_draft_length=args.head_min_draft_length, max_draft_length=args.max_draft_length,
-        test_prompts=test_prompts, selection_prompts=selection_prompts, selection_split=selection_split,
-        split=test_split, tokenizer=tokenizer, vocab_size=vocab, sampling=sampling,
-        max_new_tokens=args.max_new_tokens, seed=args.seed, warmup=args.warmup, repeats=args.repeats,
-        selection_repeats=args.selection_repeats, score_fn=task.score if task.scoring_available else None,
-        task_metric_name=task.metric_name,
+        selection_split=selection_split, split=test_split, sampling=sampling, max_new_tokens=args.max_new_tokens,
+        seed=args.seed, warmup=args.warmup, repeats=args.repeats, selection_repeats=args.selection_repeats,
+    )  # fmt: skip
+    result = evaluate_drafts(
+        target, models, heads, run_policies(cfg), protocol, test_prompts=test_prompts,
+        selection_prompts=selection_prompts, tokenizer=tokenizer, vocab_size=vocab,
+        score_fn=task.score if task.scoring_available else None, task_metric_name=task.metric_name,
     )  # fmt: skip
     print_selection(result, selection_split, len(selection_prompts))
     print(f"\n{test_split} split:\n{result.table}\n")

@@ -6,6 +6,7 @@ second, not a model download and a 60-line traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import logging
 import os
@@ -13,9 +14,11 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.errors import ConfigError, InputFileError
+from specdistill.stages.settings import RolloutSettings, StageSettings, TrainingSettings, build_settings
 
 log = logging.getLogger(__name__)
 
@@ -52,21 +55,15 @@ def running_stages(cfg: DictConfig) -> list[str]:
 
 
 def check_stage_settings(cfg: DictConfig, stage: str) -> None:
-    settings = cfg.get(stage)
-    if settings is None:
+    """Build the stage's typed settings (every range check of its group, specdistill/stages/settings.py), then the
+    checks that span groups: the rollout's processes vs the target's placement, vLLM vs the models, the trainer."""
+    if cfg.get(stage) is None:
         return
-    if "k" in settings:  # AdaSPEC's kept fraction (the one key for that concept)
-        k = settings.get("k")
-        if not isinstance(k, int | float) or isinstance(k, bool) or not 0 < k <= 1:
-            raise ConfigError(
-                f"{stage}.k={k!r}: the fraction of answer tokens AdaSPEC trains on must be in (0, 1], e.g. "
-                f"{stage}.k=0.4 (1.0 trains on every token, as DistillSpec)."
-            )
-    if "num_nodes" in settings:  # a stage that starts its own processes (rollout)
-        check_ranks(cfg, stage)
-    if "backend" in settings:
-        check_rollout_backend(cfg, stage)
-    if "trainer" in settings and "trainer" in cfg:
+    settings = build_settings(cfg, stage)
+    if isinstance(settings, RolloutSettings):
+        check_ranks(cfg, stage, settings)
+        check_rollout_backend(cfg, stage, settings)
+    if isinstance(settings, TrainingSettings) and "trainer" in cfg:
         from specdistill.stages.build import trainer_config
 
         trainer = trainer_config(cfg, stage)
@@ -78,23 +75,9 @@ def check_stage_settings(cfg: DictConfig, stage: str) -> None:
                 )
 
 
-def check_ranks(cfg: DictConfig, stage: str) -> None:
-    """`<stage>.devices` processes per node on `<stage>.num_nodes` nodes: positive counts, a device type (not one
-    device) when there are several, and one process per node for a target placed across the node's GPUs."""
-    settings = cfg[stage]
-    for key, kind in (("devices", int), ("num_nodes", int), ("barrier_timeout_minutes", int | float)):
-        value = settings.get(key)
-        if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
-            raise ConfigError(f"{stage}.{key}={value!r} must be a positive number, e.g. {stage}.{key}=1.")
-    if settings.devices * settings.num_nodes == 1:
-        return
-    device = str(settings.get("device", "auto"))
-    if device not in ("auto", "cuda", "cpu"):
-        raise ConfigError(
-            f"{stage}.device={device} names one device, but {stage}.devices={settings.devices} x "
-            f"{stage}.num_nodes={settings.num_nodes} processes each take their own: set {stage}.device=auto (or cuda, "
-            "cpu), and CUDA_VISIBLE_DEVICES to choose the GPUs."
-        )
+def check_ranks(cfg: DictConfig, stage: str, settings: RolloutSettings) -> None:
+    """One process per node for a target placed across the node's GPUs (the counts and the device type are
+    checked by the settings themselves)."""
     device_map = OmegaConf.select(cfg, "models.target.device_map")
     if device_map is not None and settings.devices > 1:
         raise ConfigError(
@@ -105,17 +88,9 @@ def check_ranks(cfg: DictConfig, stage: str) -> None:
         )
 
 
-ROLLOUT_BACKENDS = ("hf", "vllm")
-
-
-def check_rollout_backend(cfg: DictConfig, stage: str) -> None:
-    """`hf` (our sampling loop) or `vllm`, which loads a target from disk or the hub and parallelises it itself."""
-    backend = cfg[stage].backend
-    if backend not in ROLLOUT_BACKENDS:
-        raise ConfigError(
-            f"{stage}.backend={backend!r} is not one of {', '.join(ROLLOUT_BACKENDS)}, e.g. {stage}.backend=hf."
-        )
-    if backend != "vllm":
+def check_rollout_backend(cfg: DictConfig, stage: str, settings: RolloutSettings) -> None:
+    """`vllm` loads a target from disk or the hub, with the vLLM of `<stage>.vllm_python`, before training starts."""
+    if settings.backend != "vllm":
         return
     alone = str(cfg.stage.name) == stage  # in a pipeline an earlier step (sft) may export the target it loads
     if alone and not OmegaConf.select(cfg, "models.target.pretrained_model_name_or_path"):
@@ -123,14 +98,9 @@ def check_rollout_backend(cfg: DictConfig, stage: str) -> None:
             f"{stage}.backend=vllm loads the target by hub id or directory, but models.target is built from a config "
             "(random weights): set models.target.pretrained_model_name_or_path, or use rollout.backend=hf."
         )
-    if cfg[stage].devices * cfg[stage].num_nodes != 1:
-        raise ConfigError(
-            f"{stage}.backend=vllm runs one process that spreads the target over the node's GPUs itself "
-            f"({stage}.vllm.tensor_parallel_size): set {stage}.devices=1 and {stage}.num_nodes=1."
-        )
     from specdistill.rollout.vllm_backend import vllm_python
 
-    vllm_python(cfg[stage].get("vllm_python"))  # vLLM is there before hours of training start
+    vllm_python(settings.vllm_python)  # vLLM is there before hours of training start
 
 
 def check_drafts_given(cfg: DictConfig) -> None:
@@ -180,7 +150,7 @@ def check_added_keys(cfg: DictConfig) -> None:
     """Refuse a `+key=value` (or `++`) that adds a setting nothing reads (a misspelt key is otherwise ignored).
 
     An added key is accepted where adding one means something: under a node built with `_target_` (it becomes an
-    argument, and a wrong one fails loudly), under a `trainer` block or a model `config` (keyword arguments of the
+    argument, and a wrong one fails loudly; a stage's settings accept only their fields), under a `trainer` block or a model `config` (keyword arguments of the
     Lightning Trainer and of the Hugging Face config), in a map that is empty by default (`evaluate.drafts`), or
     when the value is itself an object with `_target_`. The defaults are composed again without the added keys to
     tell which existed.
@@ -215,11 +185,16 @@ def check_added_keys(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if isinstance(value, DictConfig) and "_target_" in value:
             continue
-        if isinstance(parent, DictConfig) and (
-            "_target_" in parent or parent_key.rpartition(".")[2] in PASSED_WHOLE or len(parent) == 0
+        fields = settings_fields(parent)
+        if fields is not None and name in fields:
+            continue  # a field of a stage's settings that its group leaves at the default
+        if (
+            isinstance(parent, DictConfig)
+            and fields is None
+            and ("_target_" in parent or parent_key.rpartition(".")[2] in PASSED_WHOLE or len(parent) == 0)
         ):
             continue
-        known = [str(k) for k in parent.keys()] if isinstance(parent, DictConfig) else []
+        known = fields or ([str(k) for k in parent.keys()] if isinstance(parent, DictConfig) else [])
         hint = difflib.get_close_matches(name, known, n=1)
         where = f"{parent_key}." if parent_key else ""
         raise ConfigError(
@@ -233,6 +208,19 @@ def check_added_keys(cfg: DictConfig) -> None:
             )  # fmt: skip
             + "."
         )
+
+
+def settings_fields(node: object) -> list[str] | None:
+    """The fields of the stage settings a node's `_target_` names (the only keys they accept), else None."""
+    if not isinstance(node, DictConfig) or not isinstance(node.get("_target_"), str):
+        return None
+    try:
+        cls = get_class(node._target_)
+    except Exception:  # not importable: instantiating the node says so
+        return None
+    if not (isinstance(cls, type) and issubclass(cls, StageSettings)):
+        return None
+    return [f.name for f in dataclasses.fields(cls) if f.init]
 
 
 _ABSENT = object()

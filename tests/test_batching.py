@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 from specdistill.data.sampler import WindowedDataset, WindowedSampler
 from specdistill.stages.adaspec import compute_matched, matched_steps
 from specdistill.stages.build import stage_batch_plan, trainer_config
+from specdistill.stages.settings import build_settings
 from specdistill.utils.batching import (
     BatchPlan,
     batch_plan,
@@ -121,7 +122,7 @@ def test_adaspec_preset_trains_exactly_its_baselines_optimizer_steps(hydra_ctx, 
     baseline_steps = epochs * optimizer_steps_per_epoch(GSM8K_TRAIN, distill_plan)
 
     settings, adaspec_cfg, baseline = compute_matched(
-        cfg.adaspec, trainer_config(cfg, "adaspec"), cfg.adaspec.k
+        build_settings(cfg, "adaspec"), trainer_config(cfg, "adaspec")
     )
     plan = stage_batch_plan(settings, adaspec_cfg)
     matched_steps(baseline, GSM8K_TRAIN, adaspec_cfg)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from specdistill.decoding.sampling import SamplingConfig
 from specdistill.decoding.stats import DecodingStats
 from specdistill.decoding.toy import toy_pair
 from specdistill.evaluation import protocol
-from specdistill.evaluation.protocol import evaluate_drafts, format_ratios, policy_ratios
+from specdistill.evaluation.protocol import EvalProtocol, evaluate_drafts, format_ratios, policy_ratios
 from specdistill.evaluation.report import Report, ReportEntry
 from specdistill.models.acceptance_head import AcceptanceHead
 from tests.threads import one_thread_per_module  # noqa: F401  (autouse fixture)
@@ -45,7 +47,9 @@ def _run(target, drafts, heads, policies, **overrides):
         max_new_tokens=10, seed=0, warmup=0, repeats=1, score_fn=lambda ids, record: float(len(ids)),
         task_metric_name="length",
     )  # fmt: skip
-    return evaluate_drafts(target, drafts, heads, policies, **(kwargs | overrides))
+    kwargs |= overrides
+    protocol = EvalProtocol(**{f.name: kwargs.pop(f.name) for f in fields(EvalProtocol) if f.name in kwargs})
+    return evaluate_drafts(target, drafts, heads, policies, protocol, **kwargs)
 
 
 def test_protocol_reports_every_configuration_in_the_stage_order(models_):

@@ -42,6 +42,66 @@ def test_adaspec_k_out_of_range_is_refused_naming_the_key(k):
         validate_config(composed("stage=adaspec", f"adaspec.k={k}", "adaspec.reference=/nonexistent"))
 
 
+@pytest.mark.parametrize("stage", ["sft", "distill", "adaspec", "acceptance_head", "rollout"])
+@pytest.mark.parametrize("size", ["0", "-2"])
+def test_a_batch_size_below_one_is_refused_naming_the_key(stage, size):
+    """Before typed settings this ended in utils/batching.py's `ValueError: global batch 0 and world size 1 ...`."""
+    reference = ["adaspec.reference=/nonexistent"] if stage == "adaspec" else []
+    with pytest.raises(ConfigError, match=rf"^{stage}\.batch_size={size} must be an integer >= 1"):
+        validate_config(composed(f"stage={stage}", f"{stage}.batch_size={size}", *reference))
+
+
+def test_a_key_no_setting_reads_is_refused_by_the_settings_themselves():
+    """A key that reaches a stage's group without a '+' on the command line (a preset, a merged file) is refused when
+    the typed settings are built, naming the key, the stage and the nearest key."""
+    from omegaconf import open_dict
+
+    from specdistill.stages.settings import build_settings
+
+    cfg = composed("stage=adaspec", "adaspec.reference=/nonexistent")
+    with open_dict(cfg):
+        cfg.adaspec.cached_score = False
+    with pytest.raises(ConfigError, match=r"^adaspec\.cached_score: the adaspec settings have no key .*did you mean "
+                       r"adaspec\.cached_scores"):  # fmt: skip
+        validate_config(cfg)
+    with open_dict(cfg):
+        del cfg.adaspec.cached_score
+        cfg.adaspec.typo = 1
+    with pytest.raises(ConfigError, match=r"^adaspec\.typo: the adaspec settings have no key 'typo'"):
+        build_settings(cfg, "adaspec")  # what the stage itself runs first
+    evaluate = composed("stage=evaluate")
+    with open_dict(evaluate):
+        evaluate.evaluate.acceptance_head.threshold = [0.5]
+    with pytest.raises(ConfigError, match=r"evaluate\.acceptance_head\.threshold: .*did you mean "
+                       r"evaluate\.acceptance_head\.thresholds"):  # fmt: skip
+        build_settings(evaluate, "evaluate")
+
+
+def test_a_plus_key_in_a_stage_group_is_accepted_only_if_a_setting_reads_it():
+    with pytest.raises(ConfigError, match=r"\+adaspec\.typo=1: adds 'adaspec\.typo', which nothing reads"):
+        validated("stage=adaspec", "adaspec.reference=/nonexistent", "+adaspec.typo=1")
+    with pytest.raises(ConfigError, match=r"adds 'evaluate\.acceptance_head\.h'"):
+        validated("stage=evaluate", "+evaluate.drafts.d=/nonexistent", "+evaluate.acceptance_head.h=0.5")
+    # optimal_epochs is a setting the group leaves out (conf/tuning/ gives it for the pairs the paper ran)
+    with pytest.raises(InputFileError):  # past the settings checks, to the missing reference folder
+        validated("stage=adaspec", "adaspec.reference=/nonexistent", "+adaspec.optimal_epochs=3")
+
+
+def test_out_of_range_settings_are_refused_naming_the_key():
+    cases = {
+        "acceptance_head.mixing_ratio=1.5": r"acceptance_head\.mixing_ratio=1\.5 must be a number in \[0, 1\]",
+        "evaluate.fixed_lengths=[2,30]": r"evaluate\.fixed_lengths=\[2, 30\]: each K must be an integer in \[1, "
+        r"evaluate\.max_draft_length=20\]",
+        "evaluate.acceptance_head.score_newest=maybe": r"evaluate\.acceptance_head\.score_newest='maybe'",
+        "rollout.backend=vlm": r"rollout\.backend='vlm' is not one of hf, vllm",
+    }
+    for override, message in cases.items():
+        stage = override.split(".")[0]
+        extra = ["+evaluate.drafts.d=/nonexistent"] if stage == "evaluate" else []
+        with pytest.raises(ConfigError, match=message):
+            validate_config(composed(f"stage={stage}", override, *extra))
+
+
 def test_adaspec_without_reference_is_refused_before_loading_unless_a_pipeline_step_fills_it():
     with pytest.raises(ConfigError, match=r"adaspec\.reference is not set.*<distill_run_dir>/export"):
         validate_config(composed("stage=adaspec"))

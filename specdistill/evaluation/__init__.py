@@ -1,7 +1,13 @@
 """Evaluation of speculative decoding: runner (baseline + draft x policy), reports, tables, plots, selection, and the
 protocol (selection on validation, report on test) that the evaluate stage runs."""
 
-from specdistill.evaluation.protocol import EvaluationResult, evaluate_drafts, format_ratios, policy_ratios
+from specdistill.evaluation.protocol import (
+    EvalProtocol,
+    EvaluationResult,
+    evaluate_drafts,
+    format_ratios,
+    policy_ratios,
+)
 from specdistill.evaluation.report import Report, ReportEntry, format_table
 from specdistill.evaluation.runner import best_fixed_length, evaluate_policies, select_policy
 
@@ -10,6 +16,7 @@ __all__ = [
     "Report",
     "ReportEntry",
     "best_fixed_length",
+    "EvalProtocol",
     "evaluate_drafts",
     "evaluate_policies",
     "format_ratios",

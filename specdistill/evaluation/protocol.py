@@ -1,6 +1,7 @@
 """The evaluation protocol: choose K and h per draft on a selection split, then report every policy on the test split.
 
-`evaluate_drafts` is the one entry point, called by the evaluate stage and by `benchmarks/bench_pipeline_policies.py`:
+`evaluate_drafts` is the one entry point, called by the evaluate stage and by `benchmarks/bench_pipeline_policies.py`
+with an `EvalProtocol` (the grids, splits, decoding and timing below):
 
 1. Selection, on `selection_prompts` from `selection_split` (never "test"): for each draft, the fastest
    `FixedLength(K)` over `fixed_lengths` (`best_fixed_length`, tokens/s); for each draft with an acceptance head, one
@@ -99,33 +100,57 @@ def format_acceptance(alpha: Mapping[str, float | None], draft_length: int) -> s
     return f"acceptance_rate at fixed K = {draft_length} (AdaSPEC's alpha): {values}"
 
 
+@dataclass(frozen=True, kw_only=True)
+class EvalProtocol:
+    """How `evaluate_drafts` compares drafts (module doc): the grids chosen from on the selection split, the decoding
+    every configuration shares, and the timing. The evaluate stage builds it from its settings
+    (`specdistill.stages.evaluate.eval_protocol`), where the ranges are checked.
+
+    Attributes:
+        fixed_lengths: the K grid, each <= `max_draft_length`.
+        head_thresholds: the h grid of the head policies.
+        head_score_newest: candidate heads' scoring mode(s): False (public code), True, or both `[False, True]`.
+        head_min_draft_length: the head policies' `min_draft_length` (enforced by the engine).
+        max_draft_length: the engine's bound, most candidates per round, for every policy in selection and test.
+        selection_split / split: the splits the selection / test prompts come from (`selection_split` must not be
+            "test").
+        sampling / max_new_tokens / seed: shared by every decoding, selection included.
+        warmup: untimed generations per configuration, in selection and test.
+        repeats / selection_repeats: timed passes over the test / selection prompts.
+        acceptance_draft_length: the fixed K at which every draft's `acceptance_rate` is reported (AdaSPEC's
+            alpha; None: not reported).
+    """
+
+    fixed_lengths: Sequence[int]
+    head_thresholds: Sequence[float]
+    head_score_newest: bool | Sequence[bool] = False
+    head_min_draft_length: int = 2
+    max_draft_length: int = 20
+    selection_split: str
+    split: str
+    sampling: SamplingConfig
+    max_new_tokens: int
+    seed: int = 0
+    warmup: int = 1
+    repeats: int = 1
+    selection_repeats: int = 1
+    acceptance_draft_length: int | None = None
+
+
 def evaluate_drafts(
     target: torch.nn.Module,
     drafts: Mapping[str, torch.nn.Module],
     heads: Mapping[str, AcceptanceHead],
     policies: Mapping[str, DraftPolicy],
+    protocol: EvalProtocol,
     *,
-    fixed_lengths: Sequence[int],
-    head_thresholds: Sequence[float],
-    head_score_newest: bool | Sequence[bool] = False,
-    head_min_draft_length: int = 2,
-    max_draft_length: int = 20,
     test_prompts: Sequence[Mapping[str, Any]],
     selection_prompts: Sequence[Mapping[str, Any]],
-    selection_split: str,
-    split: str,
     tokenizer: Any,
     vocab_size: int | None,
-    sampling: SamplingConfig,
-    max_new_tokens: int,
-    seed: int = 0,
-    warmup: int = 1,
-    repeats: int = 1,
-    selection_repeats: int = 1,
     score_fn: ScoreFn | None = None,
     task_metric_name: str | None = None,
     eos_token_id: int | Sequence[int] | None = None,
-    acceptance_draft_length: int | None = None,
 ) -> EvaluationResult:
     """Choose K (and h) per draft on the selection split, then decode the test prompts with everything (module doc).
 
@@ -136,48 +161,48 @@ def evaluate_drafts(
             policies. Every key must be a draft.
         policies: training-free policies run on every draft (name -> policy, e.g. heuristic, confidence, entropy,
             oracle); not changed (the runner copies a policy shared by several drafts).
-        fixed_lengths: the K grid, each <= `max_draft_length`.
-        head_thresholds: the h grid of the head policies.
-        head_score_newest: candidate heads' scoring mode(s): False (public code), True, or both `[False, True]`.
-        head_min_draft_length: the head policies' `min_draft_length` (enforced by the engine).
-        max_draft_length: the engine's bound, most candidates per round, for every policy in selection and test.
-        test_prompts / selection_prompts: prompt dicts `{prompt_ids, record, example_id}` (see `evaluate_policies`).
-        selection_split / split: the splits they come from (`selection_split` must not be "test").
+        protocol: the grids, splits, decoding and timing (`EvalProtocol`).
+        test_prompts / selection_prompts: prompt dicts `{prompt_ids, record, example_id}` (see `evaluate_policies`)
+            from `protocol.split` / `protocol.selection_split`.
         tokenizer: decodes outputs and gives the EOS and vocabulary defaults (may be None with `vocab_size`).
         vocab_size: the tokenizer's real vocabulary (None: `len(tokenizer)`).
-        sampling / max_new_tokens / seed: shared by every decoding, selection included.
-        warmup: untimed generations per configuration, in selection and test.
-        repeats / selection_repeats: timed passes over the test / selection prompts.
         score_fn / task_metric_name: the task metric of the test outputs (e.g. `task.score`, `task.metric_name`).
         eos_token_id: overrides the tokenizer's EOS.
-        acceptance_draft_length: the fixed K at which every draft's `acceptance_rate` is reported (AdaSPEC's
-            alpha; None: not reported).
     """
     unknown = sorted(set(heads) - set(drafts))
     if unknown:
         raise ValueError(f"heads given for drafts that are not evaluated: {unknown}")
     common: dict[str, Any] = dict(
-        sampling=sampling, max_new_tokens=max_new_tokens, seed=seed, tokenizer=tokenizer, vocab_size=vocab_size,
-        eos_token_id=eos_token_id, warmup=warmup, max_draft_length=max_draft_length,
+        sampling=protocol.sampling, max_new_tokens=protocol.max_new_tokens, seed=protocol.seed, tokenizer=tokenizer,
+        vocab_size=vocab_size, eos_token_id=eos_token_id, warmup=protocol.warmup,
+        max_draft_length=protocol.max_draft_length,
     )  # fmt: skip
-    selection = dict(prompts=selection_prompts, split=selection_split, repeats=selection_repeats, **common)
+    selection = dict(
+        prompts=selection_prompts,
+        split=protocol.selection_split,
+        repeats=protocol.selection_repeats,
+        **common,
+    )
     all_policies: dict[str, DraftPolicy] = dict(policies)
     combinations = [(d, p) for d in drafts for p in policies]
     choices: dict[str, dict[str, Any]] = {}
     for draft_name, draft in drafts.items():
-        best_k, per_k = best_fixed_length(target, draft, list(fixed_lengths), **selection)
+        best_k, per_k = best_fixed_length(target, draft, list(protocol.fixed_lengths), **selection)
         choices[draft_name] = {"best_k": best_k, "tokens_per_second_by_k": per_k}
         fixed_name = f"fixed_k{best_k}"
         all_policies.setdefault(fixed_name, FixedLength(best_k))
         combinations.insert(0, (draft_name, fixed_name))
-        if acceptance_draft_length is not None and acceptance_draft_length != best_k:
-            alpha_name = f"fixed_k{acceptance_draft_length}"
-            all_policies.setdefault(alpha_name, FixedLength(acceptance_draft_length))
+        alpha_k = protocol.acceptance_draft_length
+        if alpha_k is not None and alpha_k != best_k:
+            alpha_name = f"fixed_k{alpha_k}"
+            all_policies.setdefault(alpha_name, FixedLength(alpha_k))
             combinations.insert(1, (draft_name, alpha_name))
         head = heads.get(draft_name)
         if head is None:
             continue
-        candidates = head_policy_grid(head, list(head_thresholds), head_score_newest, head_min_draft_length)
+        candidates = head_policy_grid(
+            head, list(protocol.head_thresholds), protocol.head_score_newest, protocol.head_min_draft_length
+        )
         best, per_h = select_policy(target, draft, candidates, **selection)
         choices[draft_name].update(best_head=f"{draft_name}_{best}", tokens_per_second_by_head=per_h)
         for name, policy in candidates.items():
@@ -187,13 +212,14 @@ def evaluate_drafts(
     combinations.sort(key=lambda c: order.index(c[0]))  # stable: per draft fixed K, given policies, head grid
 
     report = evaluate_policies(
-        target, drafts, all_policies, test_prompts, score_fn, combinations=combinations, repeats=repeats,
-        task_metric_name=task_metric_name, split=split, **common,
+        target, drafts, all_policies, test_prompts, score_fn, combinations=combinations, repeats=protocol.repeats,
+        task_metric_name=task_metric_name, split=protocol.split, **common,
     )  # fmt: skip
     ratios = policy_ratios(report, choices)
-    report.settings["selection"] = {"split": selection_split, **choices}
+    report.settings["selection"] = {"split": protocol.selection_split, **choices}
     report.settings["ratios"] = ratios
     table = format_table(report) + "\n" + format_ratios(choices, ratios)
+    acceptance_draft_length = protocol.acceptance_draft_length
     if acceptance_draft_length is not None:
         alpha = acceptance_at_fixed_length(report, list(drafts), acceptance_draft_length)
         report.settings["acceptance_at_fixed_length"] = {"draft_length": acceptance_draft_length, **alpha}

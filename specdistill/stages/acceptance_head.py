@@ -27,12 +27,13 @@ from specdistill.stages.build import (
     trainer_config,
     write_result,
 )
+from specdistill.stages.settings import build_settings
 
 VAL_METRICS = ["val/head_bce", "val/binary_kl", "val/auroc_rejection", "val/ece"]
 
 
 def run(cfg: DictConfig, out_dir: Path) -> dict:
-    settings = cfg.acceptance_head
+    settings = build_settings(cfg, "acceptance_head")
     rollouts = settings.rollouts or {}
     if not rollouts:
         raise ValueError(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hydra.utils import instantiate
@@ -25,7 +25,6 @@ from specdistill.models import ModelSpec
 from specdistill.models.frozen import Frozen
 from specdistill.modules.distill import DistillModule
 from specdistill.selection.reference import OnlineReference, ScoreOnceReference
-from specdistill.selection.topk import check_fraction
 from specdistill.stages.build import (
     build_trainer,
     draft_kind,
@@ -37,6 +36,7 @@ from specdistill.stages.build import (
     write_result,
 )
 from specdistill.stages.distill import train_and_export
+from specdistill.stages.settings import AdaSpecSettings, build_settings
 from specdistill.utils.batching import BatchPlan, batch_plan, matched_max_steps, world_size
 
 log = logging.getLogger(__name__)
@@ -52,27 +52,31 @@ class Baseline:
 
 
 def compute_matched(
-    settings: DictConfig, trainer_cfg: DictConfig, k: float
-) -> tuple[DictConfig, DictConfig, Baseline]:
-    """The authors' compute-matched protocol: global batch and micro-batch / k (k = 0.4: 16 -> 40 and 2 -> 5 per
-    device), so every optimizer step sees the baseline's number of kept tokens; returns the scaled copies and the
-    baseline (the unscaled batch plan on this world size, and the epochs).
+    settings: AdaSpecSettings, trainer_cfg: DictConfig
+) -> tuple[AdaSpecSettings, DictConfig, Baseline]:
+    """The authors' compute-matched protocol: global batch and micro-batch / k (`settings.k` = 0.4: 16 -> 40 and
+    2 -> 5 per device), so every optimizer step sees the baseline's number of kept tokens; returns the scaled copies
+    and the baseline (the unscaled batch plan on this world size, and the epochs).
 
     The step count is set by `matched_steps` once the training set's size is known. Only when the stage states its
     own `max_steps` (e.g. the tiny pair's tuning) does that cap stay, with epochs / k rounded up as before.
     """
     baseline = Baseline(
         batch_plan(
-            int(settings.batch_size), world_size(trainer_cfg), settings.get("micro_batch_size"),
+            settings.batch_size, world_size(trainer_cfg), settings.micro_batch_size,
             trainer_cfg.get("accumulate_grad_batches"),
         ),
         int(trainer_cfg.max_epochs),
     )  # fmt: skip
-    settings, trainer_cfg = settings.copy(), trainer_cfg.copy()
-    with open_dict(settings), open_dict(trainer_cfg):
-        settings.batch_size = math.ceil(settings.batch_size / k)
-        if settings.get("micro_batch_size"):
-            settings.micro_batch_size = math.ceil(settings.micro_batch_size / k)
+    k = settings.k
+    micro = settings.micro_batch_size
+    settings = replace(
+        settings,
+        batch_size=math.ceil(settings.batch_size / k),
+        micro_batch_size=math.ceil(micro / k) if micro else micro,
+    )
+    trainer_cfg = trainer_cfg.copy()
+    with open_dict(trainer_cfg):
         trainer_cfg.max_epochs = math.ceil(trainer_cfg.max_epochs / k)
     return settings, trainer_cfg, baseline
 
@@ -92,17 +96,17 @@ def matched_steps(baseline: Baseline, num_examples: int, trainer_cfg: DictConfig
 
 
 def run(cfg: DictConfig, out_dir: Path) -> dict:
-    settings = cfg.adaspec
+    settings = build_settings(cfg, "adaspec")
     if not settings.reference:
         raise ValueError(
             "adaspec.reference is not set: pass the export directory of a `distill` run "
             "(adaspec.reference=<distill_run_dir>/export), or run stage=pipeline which wires it."
         )
-    k = check_fraction(settings.k)
+    k = settings.k  # in (0, 1], checked by AdaSpecSettings
     trainer_cfg = trainer_config(cfg, "adaspec")
     baseline = None
     if settings.compute_matched:
-        settings, trainer_cfg, baseline = compute_matched(settings, trainer_cfg, k)
+        settings, trainer_cfg, baseline = compute_matched(settings, trainer_cfg)
     seed_everything(cfg)
     specs = {
         "target": model_spec(cfg.models.target),
@@ -120,7 +124,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     target = models.pop("target")
     # with a cached target the module holds no target model: the fit-start passes share this one
     frozen_target = None
-    if settings.get("cached_target"):
+    if settings.cached_target:
         # cached at fit start where the Trainer places the target, every rank a share of each split (or reused)
         frozen_target = Frozen(target)
         target = CacheOnceTarget(

@@ -33,6 +33,7 @@ from specdistill.models import ModelSpec, check_model_covers_vocab, check_same_t
 from specdistill.models.loading import is_placed_across_devices
 from specdistill.models.precision import MasterWeightsCheck, check_training_precision, trainable_spec
 from specdistill.models.tokenizer import ensure_pad_token, load_tokenizer
+from specdistill.stages.settings import TaskTrainingSettings, TrainingSettings
 from specdistill.utils.batching import BatchPlan, batch_plan, world_size
 from specdistill.utils.run_dir import check_checkpoint, is_rank_zero
 from specdistill.utils.strategy import check_devices
@@ -192,13 +193,13 @@ def build_datamodule(
     )
 
 
-def stage_batch_plan(settings: DictConfig, trainer_cfg: DictConfig) -> BatchPlan:
+def stage_batch_plan(settings: TrainingSettings, trainer_cfg: DictConfig) -> BatchPlan:
     """Split the stage's global `batch_size` over the Trainer's devices (specdistill/utils/batching.py) and write the
     derived gradient accumulation into `trainer_cfg`."""
     plan = batch_plan(
         int(settings.batch_size),
         world_size(trainer_cfg),
-        settings.get("micro_batch_size"),
+        settings.micro_batch_size,
         trainer_cfg.get("accumulate_grad_batches"),
     )
     with open_dict(trainer_cfg):
@@ -211,7 +212,10 @@ def stage_batch_plan(settings: DictConfig, trainer_cfg: DictConfig) -> BatchPlan
 
 
 def training_datamodule(
-    cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, settings: DictConfig, trainer_cfg: DictConfig
+    cfg: DictConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    settings: TaskTrainingSettings,
+    trainer_cfg: DictConfig,
 ) -> TaskDataModule:
     """The data module of a training stage: its length and batch plan (`settings.batch_size` is the global batch;
     the micro-batch and the Trainer's gradient accumulation follow from the world size, see `stage_batch_plan`)."""
@@ -221,7 +225,7 @@ def training_datamodule(
         tokenizer,
         max_length=settings.max_length,
         batch_size=plan.micro_batch_size,
-        eval_batch_size=settings.get("eval_batch_size"),
+        eval_batch_size=settings.eval_batch_size,
         accumulate_grad_batches=plan.accumulate_grad_batches,
     )
 

@@ -31,13 +31,14 @@ from specdistill.stages.build import (
     training_datamodule,
     write_result,
 )
+from specdistill.stages.settings import build_settings
 
 VAL_METRICS = ["val/kl", "val/expected_acceptance"]
 TRAINED_ROLES = ("draft",)  # built by the draft kind with fp32 master weights; the target stays frozen
 
 
 def run(cfg: DictConfig, out_dir: Path) -> dict:
-    settings = cfg.distill
+    settings = build_settings(cfg, "distill")
     trainer_cfg = trainer_config(cfg, "distill")
     seed_everything(cfg)
     kind = draft_kind(cfg)
@@ -45,7 +46,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     tokenizer, models, vocab_size = load_models(cfg, specs, drafts=dict.fromkeys(TRAINED_ROLES, kind))
     datamodule = training_datamodule(cfg, tokenizer, settings, trainer_cfg)
     target = models.pop("target")
-    if settings.get("cached_target"):
+    if settings.cached_target:
         # cached at fit start where the Trainer places the target, every rank a share of each split (or reused);
         # the target is released after that pass: training reads the cache
         target = CacheOnceTarget(

@@ -10,10 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from hydra.utils import instantiate
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig
 
 from specdistill.decoding.sampling import SamplingConfig
-from specdistill.evaluation.protocol import evaluate_drafts
+from specdistill.evaluation.protocol import EvalProtocol, evaluate_drafts
 from specdistill.evaluation.report import summary_metrics
 from specdistill.models.acceptance_head import AcceptanceHead
 from specdistill.stages.build import (
@@ -25,11 +25,12 @@ from specdistill.stages.build import (
     stage_logger,
     write_result,
 )
+from specdistill.stages.settings import EvaluateSettings, build_settings
 from specdistill.utils.wandb_logger import log_report, log_summary
 
 
 def run(cfg: DictConfig, out_dir: Path) -> dict:
-    settings = cfg.evaluate
+    settings = build_settings(cfg, "evaluate")
     seed_everything(cfg)
     drafts = named_drafts(cfg, settings.drafts)
     unknown_heads = set(settings.heads or {}) - set(drafts)
@@ -37,41 +38,26 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         raise ValueError(f"evaluate.heads names drafts that are not evaluated: {sorted(unknown_heads)}")
     device = pick_device(settings.device)
     tokenizer, target, loaded, vocab_size = load_frozen_target_and_drafts(cfg, drafts, device)
-    models = {
-        name: draft.proposer(vocab_size) for name, draft in loaded.items()
-    }  # what the engine drafts with
+    # what the engine drafts with
+    models = {name: draft.proposer(vocab_size) for name, draft in loaded.items()}
     heads = {
         name: AcceptanceHead.load(path, device=device, draft=loaded[name].model)
         for name, path in (settings.heads or {}).items()
     }
     datamodule = build_datamodule(cfg, tokenizer, max_length=settings.max_length)
     task = datamodule.task
-    head = settings.acceptance_head
-    score_newest = head.score_newest
     result = evaluate_drafts(
         target,
         models,
         heads,
         {name: instantiate(node) for name, node in (settings.policies or {}).items()},
-        fixed_lengths=list(settings.fixed_lengths),
-        head_thresholds=list(head.thresholds),
-        head_score_newest=list(score_newest) if isinstance(score_newest, ListConfig) else bool(score_newest),
-        head_min_draft_length=head.min_draft_length,
-        max_draft_length=settings.max_draft_length,
+        eval_protocol(settings, SamplingConfig(**cfg.sampling), cfg.seed),
         test_prompts=datamodule.prompts(settings.split)[: settings.num_prompts],
         selection_prompts=datamodule.prompts(settings.selection_split)[: settings.selection_prompts],
-        selection_split=settings.selection_split,
-        split=settings.split,
         tokenizer=tokenizer,
         vocab_size=vocab_size,
-        sampling=SamplingConfig(**cfg.sampling),
-        max_new_tokens=settings.max_new_tokens,
-        seed=cfg.seed,
-        warmup=settings.warmup,
-        repeats=settings.repeats,
         score_fn=task.score if task.scoring_available else None,
         task_metric_name=task.metric_name,
-        acceptance_draft_length=settings.get("acceptance_draft_length"),
     )
     result.report.settings["task"] = cfg.task.name  # the plots' titles name it
     result.report.save(out_dir)
@@ -88,4 +74,25 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     return write_result(
         out_dir,
         {"stage": "evaluate", "report": str(out_dir / "report.json"), **result.ratios, "table": result.table},
+    )
+
+
+def eval_protocol(settings: EvaluateSettings, sampling: SamplingConfig, seed: int) -> EvalProtocol:
+    """The protocol `evaluate_drafts` runs, from the stage's settings (ranges checked there) and the run's decoding."""
+    grid = settings.acceptance_head
+    score_newest = grid.score_newest
+    return EvalProtocol(
+        fixed_lengths=list(settings.fixed_lengths),
+        head_thresholds=list(grid.thresholds),
+        head_score_newest=list(score_newest) if isinstance(score_newest, list) else bool(score_newest),
+        head_min_draft_length=grid.min_draft_length,
+        max_draft_length=settings.max_draft_length,
+        selection_split=settings.selection_split,
+        split=settings.split,
+        sampling=sampling,
+        max_new_tokens=settings.max_new_tokens,
+        seed=seed,
+        warmup=settings.warmup,
+        repeats=settings.repeats,
+        acceptance_draft_length=settings.acceptance_draft_length,
     )

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.errors import ConfigError
@@ -37,10 +37,11 @@ from specdistill.stages.build import (
     shared_tokenizer,
     write_result,
 )
+from specdistill.stages.settings import RolloutSettings, build_settings
 
 
 def run(cfg: DictConfig, out_dir: Path) -> dict:
-    settings = cfg.rollout
+    settings = build_settings(cfg, "rollout")
     seed_everything(cfg)
     drafts = named_drafts(cfg, settings.drafts)
     device, ranks = launch_ranks(
@@ -48,17 +49,16 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     )
     sampling = SamplingConfig(**cfg.sampling)
     given = prompts = None
-    if settings.get("backend", "hf") == "vllm":  # before our models take the GPUs
+    if settings.backend == "vllm":  # before our models take the GPUs
         check_single_process_for_vllm(ranks)
         tokenizer = shared_tokenizer(cfg, {})
-        prompts = _prompts(cfg, tokenizer)
-        given = _vllm_responses(cfg, prompts, sampling, tokenizer.eos_token_id, out_dir)
+        prompts = _prompts(cfg, settings, tokenizer)
+        given = _vllm_responses(cfg, settings, prompts, sampling, tokenizer.eos_token_id, out_dir)
     tokenizer, target, loaded, vocab_size = load_frozen_target_and_drafts(cfg, drafts, device)
-    models = {
-        name: draft.model for name, draft in loaded.items()
-    }  # teacher-forced: the draft's own distributions
+    # teacher-forced labels need the draft's own distributions: the loaded models themselves
+    models = {name: draft.model for name, draft in loaded.items()}
     if prompts is None:
-        prompts = _prompts(cfg, tokenizer)
+        prompts = _prompts(cfg, settings, tokenizer)
     rollouts, metrics = {}, {}
     for name, draft in models.items():
         directory = out_dir / "rollouts" / name
@@ -89,22 +89,26 @@ def check_single_process_for_vllm(ranks: Ranks) -> None:
         )
 
 
-def _prompts(cfg: DictConfig, tokenizer) -> list[list[int]]:
-    settings = cfg.rollout
+def _prompts(cfg: DictConfig, settings: RolloutSettings, tokenizer) -> list[list[int]]:
     datamodule = build_datamodule(cfg, tokenizer, max_length=settings.max_length)
     prompts = [list(p["prompt_ids"]) for p in datamodule.prompts(settings.split)]
     return prompts[: settings.num_prompts] if settings.num_prompts else prompts
 
 
 def _vllm_responses(
-    cfg: DictConfig, prompts: list[list[int]], sampling: SamplingConfig, eos_token_id: int, out_dir: Path
+    cfg: DictConfig,
+    settings: RolloutSettings,
+    prompts: list[list[int]],
+    sampling: SamplingConfig,
+    eos_token_id: int,
+    out_dir: Path,
 ) -> list[list[int]]:
     """The target's responses from vLLM (or the ones an earlier launch of this run generated with the same request)."""
     spec = model_spec(cfg.models.target)
     engine = {"revision": spec.revision, "trust_remote_code": spec.trust_remote_code}
-    engine.update(OmegaConf.to_container(cfg.rollout.vllm, resolve=True))
+    engine.update(settings.vllm)  # resolved plain values, handed whole to vLLM
     request = vllm_request(
-        spec.pretrained_model_name_or_path, prompts, sampling, cfg.rollout.max_new_tokens, [eos_token_id],
+        spec.pretrained_model_name_or_path, prompts, sampling, settings.max_new_tokens, [eos_token_id],
         row_seeds(cfg.seed, range(len(prompts))), engine,
     )  # fmt: skip
-    return generate_with_vllm(request, out_dir / "rollouts" / "vllm", cfg.rollout.get("vllm_python"))
+    return generate_with_vllm(request, out_dir / "rollouts" / "vllm", settings.vllm_python)

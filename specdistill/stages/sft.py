@@ -21,12 +21,13 @@ from specdistill.stages.build import (
     training_datamodule,
     write_result,
 )
+from specdistill.stages.settings import build_settings
 
 TRAINED_ROLES = ("target",)  # loaded with fp32 master weights
 
 
 def run(cfg: DictConfig, out_dir: Path) -> dict:
-    settings = cfg.sft
+    settings = build_settings(cfg, "sft")
     trainer_cfg = trainer_config(cfg, "sft")
     seed_everything(cfg)
     tokenizer, models, _ = load_models(

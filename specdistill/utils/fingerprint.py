@@ -45,7 +45,8 @@ def run_fingerprint(
     groups: Iterable[str] | None = None,
     upstream: str | None = None,
 ) -> dict[str, Any]:
-    """What identifies a run: the resolved groups and the stage's settings group, minus resumable leaves.
+    """What identifies a run: the resolved groups and the stage's settings group (without its `_target_`), minus
+    resumable leaves.
 
     Args:
         cfg: the job config.
@@ -64,6 +65,10 @@ def run_fingerprint(
             continue
         node = cfg[key]
         config[key] = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+        if key == stage and isinstance(config[key], dict):
+            # the settings class that builds the stage's group (specdistill/stages/settings.py) is code, not a
+            # setting: left out, the fingerprints of runs made before the group named it stay the same
+            config[key].pop("_target_", None)
     identity = _drop_leaves(config, RESUMABLE_LEAF_KEYS)
     return {
         "fingerprint": _digest([identity, upstream] if upstream else identity),
