@@ -75,9 +75,11 @@ def check_stage_settings(cfg: DictConfig, stage: str) -> None:
                 )
 
 
-def check_ranks(cfg: DictConfig, stage: str, settings: RolloutSettings) -> None:
+def check_ranks(cfg: DictConfig, stage: str, settings: RolloutSettings | None = None) -> None:
     """One process per node for a target placed across the node's GPUs (the counts and the device type are
-    checked by the settings themselves)."""
+    checked by the settings themselves, built here when not given)."""
+    if settings is None:
+        settings = build_settings(cfg, stage)
     device_map = OmegaConf.select(cfg, "models.target.device_map")
     if device_map is not None and settings.devices > 1:
         raise ConfigError(
