@@ -20,7 +20,6 @@ is rebuilt; an interrupted build with the same key resumes at the first unfinish
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from dataclasses import asdict
 from pathlib import Path
@@ -32,7 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from specdistill.caches.fit_start import FitStart, FitStartCache
-from specdistill.caches.store import SharedPass, build_or_reuse, load_tables
+from specdistill.caches.store import SharedPass, build_or_reuse, load_tables, read_key
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.head_data.collate import RolloutCollator
 from specdistill.head_data.inputs import judged_head_inputs
@@ -231,27 +230,18 @@ def _concatenated(tables: dict[str, datasets.Dataset]) -> datasets.Dataset:
 
 
 def build_hidden_cache(
-    draft: nn.Module,
-    rollout_dir: str | Path,
-    out_dir: str | Path,
-    mixing_ratio: float = 0.15,
-    seed: int = 0,
-    batch_size: int = 8,
-    shard_size: int = 1024,
-    pad_token_id: int = 0,
-    dtype: str = "float16",
-    head_input: str = "candidate",
-    sampling: SamplingConfig | None = None,
+    draft: nn.Module, rollout_dir: str | Path, out_dir: str | Path, *args: Any, **settings: Any
 ) -> datasets.Dataset:
     """Run the frozen draft once over every rollout (where it is) and store the head's inputs at the judged positions.
 
-    The same cache as `HiddenCache` builds at fit start (arguments as there); with a process group running the
-    ranks share the pass. Returns the complete cache in prompt order (`load_hidden_cache`).
+    The same cache as `HiddenCache(draft, rollout_dir, out_dir, *args, **settings)` builds at fit start (`args`
+    and `settings`: its other arguments, `mixing_ratio` to `sampling`); with a process group running the ranks
+    share the pass.
+
+    Returns:
+        The complete cache in prompt order (as `load_hidden_cache` reads it).
     """
-    cache = HiddenCache(
-        draft, rollout_dir, out_dir, mixing_ratio=mixing_ratio, seed=seed, batch_size=batch_size,
-        shard_size=shard_size, pad_token_id=pad_token_id, dtype=dtype, head_input=head_input, sampling=sampling,
-    )  # fmt: skip
+    cache = HiddenCache(draft, rollout_dir, out_dir, *args, **settings)
     cache.prepare(FitStart(trainer=None))
     return cache.dataset
 
@@ -284,13 +274,12 @@ def load_hidden_cache(
     out_dir: str | Path, expected_mixing_ratio: float | None = None, expected_head_input: str | None = None
 ) -> datasets.Dataset:
     """The complete cache in prompt order; checks the head input and (candidate heads) the mixing ratio if given."""
-    key_file = Path(out_dir) / KEY_FILE
-    if not key_file.is_file():
+    key = read_key(out_dir, KEY_FILE)
+    if key is None:
         raise ValueError(
             f"{out_dir} is not a complete hidden-state cache ({KEY_FILE} is missing): build it with "
             "build_hidden_cache, or let AcceptanceHeadModule(hidden_cache=HiddenCache(...)) build it at fit start."
         )
-    key = json.loads(key_file.read_text())
     check_hidden_cache(key, out_dir, expected_mixing_ratio, expected_head_input)
     count, shard_size = int(key["num_prompts"]), int(key["shard_size"])
     return _concatenated(load_tables(out_dir, [_table(s) for s in range(num_shards(count, shard_size))]))
