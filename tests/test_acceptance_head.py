@@ -269,7 +269,7 @@ def head_setup(tmp_path_factory):
     return draft, root
 
 
-def _module(draft, cache: bool = False, lr: float = 1e-2):
+def _module(draft, cache: bool = False, lr: float = 1e-2, hidden_cache=None):
     from functools import partial
 
     from specdistill.modules.acceptance_head import AcceptanceHeadModule
@@ -282,6 +282,7 @@ def _module(draft, cache: bool = False, lr: float = 1e-2):
         optimizer=partial(torch.optim.AdamW, lr=lr),
         scheduler=partial(cosine, warmup_fraction=0.03),
         cache_hidden_states=cache,
+        hidden_cache=hidden_cache,
     )
 
 
@@ -331,6 +332,59 @@ def test_head_module_on_cached_hidden_states_matches_running_the_draft(head_setu
         from specdistill.modules.acceptance_head import AcceptanceHeadModule
 
         AcceptanceHeadModule(AcceptanceHead(8), draft, optimizer=torch.optim.AdamW)
+
+
+def test_a_hidden_cache_built_at_fit_start_trains_exactly_as_a_prebuilt_one(head_setup, tmp_path):
+    """`HiddenCache` given to the module and the datamodule: `prepare_caches` builds it at the module's validation or
+    fit start (the datamodule's rows are read only then), the same cache as `build_hidden_cache` (root/cache) to the
+    bit, and training on it gives the same head, step for step; a later run reuses it without running the draft."""
+    import copy
+
+    import datasets
+
+    from specdistill.head_data import HiddenCache
+    from tests.test_selection_reference import _count_calls
+
+    draft, root = head_setup
+    frozen_draft = copy.deepcopy(draft)
+    calls = _count_calls(frozen_draft)
+
+    def lazy():
+        cache = HiddenCache(frozen_draft, root / "rollouts", tmp_path / "lazy", batch_size=6, shard_size=12,
+                            dtype="float32")  # fmt: skip
+        module = _module(draft, cache=True, hidden_cache=cache)
+        data = RolloutDataModule(str(root / "rollouts"), batch_size=4, mixing_ratio=0.15, val_fraction=0.25,
+                                 seed=0, hidden_cache=cache)  # fmt: skip
+        return cache, module, data
+
+    cache, module, data = lazy()
+    data.setup()
+    with pytest.raises(RuntimeError, match="built at fit start"):
+        data.train_set[0]
+    validated = _trainer(tmp_path).validate(module, datamodule=data, verbose=False)[0]  # builds it first
+    assert cache.ready and calls[0] == 2  # 12 rollouts in batches of 6
+    prebuilt = _trainer(tmp_path).validate(_module(draft, cache=True), datamodule=_datamodule(root, cache=True),
+                                           verbose=False)[0]  # fmt: skip
+    assert validated == prebuilt
+
+    def stored(path):
+        return datasets.load_from_disk(str(path / "shards" / "shard_00000")).data.table
+
+    assert stored(tmp_path / "lazy").equals(stored(root / "cache"))
+
+    heads = []
+    for trained, rows in (lazy()[1:], (_module(draft, cache=True), _datamodule(root, cache=True))):
+        torch.manual_seed(1)  # the same shuffling of the training rows
+        _trainer(tmp_path, max_steps=4, enable_checkpointing=False).fit(trained, datamodule=rows)
+        heads.append(trained.head.state_dict())
+    assert calls[0] == 2  # the second HiddenCache found the same key: reused
+    assert all(torch.equal(heads[0][k], heads[1][k]) for k in heads[1])
+    with pytest.raises(ValueError, match="not both"):
+        RolloutDataModule(str(root / "rollouts"), hidden_cache=cache, hidden_cache_dir=str(root / "cache"))
+    with pytest.raises(ValueError, match="cache_hidden_states=False"):
+        from specdistill.modules.acceptance_head import AcceptanceHeadModule
+
+        AcceptanceHeadModule(AcceptanceHead(16), draft, optimizer=torch.optim.AdamW, hidden_cache=cache)
 
 
 def test_head_config_builds_the_head():

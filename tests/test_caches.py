@@ -145,3 +145,74 @@ def test_a_hidden_cache_of_a_retrained_draft_is_rebuilt_and_an_unchanged_one_reu
     (first_calls, first), (same_calls, same), (retrained_calls, retrained) = built
     assert first_calls == 2 and same_calls == 0 and same == first  # 12 rollouts in batches of 6; then reused
     assert retrained_calls == 2 and retrained != first  # same path and config, new weights: rebuilt
+
+
+def test_a_draft_retrained_into_the_same_path_recomputes_the_hidden_cache_at_fit_start(
+    head_setup,  # noqa: F811  (the imported fixture)
+    tmp_path,
+):
+    """The stage's path: `HiddenCache` built by `AcceptanceHeadModule`'s `prepare_caches` at fit start, into the
+    same directory for each run; the same draft reuses it, a draft retrained into the same path rebuilds it."""
+    import copy
+    from functools import partial
+
+    import lightning as L
+
+    from specdistill.head_data import HiddenCache, RolloutDataModule
+    from specdistill.models.acceptance_head import AcceptanceHead
+    from specdistill.modules.acceptance_head import AcceptanceHeadModule
+
+    draft, root = head_setup
+    built = []
+    for model in (copy.deepcopy(draft), copy.deepcopy(draft), _retrained(copy.deepcopy(draft))):
+        calls = _count_calls(_at_same_path(model))
+        cache = HiddenCache(model, root / "rollouts", tmp_path / "cache", batch_size=6, shard_size=12,
+                            dtype="float32")  # fmt: skip
+        module = AcceptanceHeadModule(AcceptanceHead(16, 1), None, partial(torch.optim.SGD, lr=0.1),
+                                      cache_hidden_states=True, hidden_cache=cache)  # fmt: skip
+        data = RolloutDataModule(str(root / "rollouts"), batch_size=4, hidden_cache=cache)
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, limit_val_batches=0, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+        trainer.fit(module, datamodule=data)
+        built.append((calls[0], cache.dataset.with_format(None)["hidden"]))
+    (first_calls, first), (same_calls, same), (retrained_calls, retrained) = built
+    assert first_calls == 2 and same_calls == 0 and same == first
+    assert retrained_calls == 2 and retrained != first
+
+
+def test_an_interrupted_hidden_cache_resumes_at_its_first_unfinished_shard(
+    head_setup,  # noqa: F811  (the imported fixture)
+    tmp_path,
+):
+    """12 rollouts in 3 shards of 4 (2 batches each): a build that dies in shard 2 keeps shards 0 and 1 (written
+    atomically, its key recorded as under way), and the next build with the same key runs only shard 2's batches,
+    ending with the cache of an uninterrupted build; a build with another key starts over."""
+    import copy
+
+    from specdistill.head_data import build_hidden_cache
+
+    draft, root = head_setup
+
+    def build(model, path):
+        return build_hidden_cache(model, root / "rollouts", path, batch_size=2, shard_size=4, dtype="float32")
+
+    expected = build(copy.deepcopy(draft), tmp_path / "whole").with_format(None).to_dict()
+    dying = copy.deepcopy(draft)
+    calls = _count_calls(dying)
+
+    def die_in_shard_2(*_):
+        if calls[0] == 5:  # the first batch of shard 2
+            raise KeyboardInterrupt
+
+    dying.base_model.register_forward_hook(die_in_shard_2)
+    with pytest.raises(KeyboardInterrupt):
+        build(dying, tmp_path / "cache")
+    assert sorted(p.name for p in (tmp_path / "cache" / "shards").iterdir()) == ["shard_00000", "shard_00001"]
+    resumed = copy.deepcopy(draft)
+    calls = _count_calls(resumed)
+    assert build(resumed, tmp_path / "cache").with_format(None).to_dict() == expected
+    assert calls[0] == 2  # shard 2 only
+    retrained = _retrained(copy.deepcopy(draft))
+    calls = _count_calls(retrained)
+    build(retrained, tmp_path / "cache")
+    assert calls[0] == 6  # another key: every shard again

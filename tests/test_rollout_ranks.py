@@ -96,6 +96,80 @@ def test_two_ranks_write_their_own_shards_of_the_single_process_rollouts(tmp_pat
         assert load_rollouts(shared / name).to_dict() == expected[name]
 
 
+# --- the hidden-state cache at fit start, shared by two gloo ranks -----------------------------------------------
+
+_HIDDEN_WORKER = """
+import json, os
+from functools import partial
+import lightning as L
+import torch, torch.distributed as dist
+from helpers import join_gloo
+from test_rollout import PAD, tiny_lm
+from test_selection_reference import _count_calls
+from specdistill.head_data import HiddenCache, RolloutDataModule, build_hidden_cache
+from specdistill.models.acceptance_head import AcceptanceHead
+from specdistill.modules.acceptance_head import AcceptanceHeadModule
+rank, (rollouts, root), out = join_gloo()
+torch.set_num_threads(1)  # as the test process: the same reductions, so the same hidden states to the bit
+os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # Lightning joins the running group, launches nothing
+draft = tiny_lm(1, hidden=16)
+calls = _count_calls(draft)
+cache = HiddenCache(draft, rollouts, f"{root}/fit", batch_size=1, shard_size=2, pad_token_id=PAD, dtype="float32")
+module = AcceptanceHeadModule(AcceptanceHead(16, 1, input="candidate"), None, partial(torch.optim.SGD, lr=0.1),
+                              cache_hidden_states=True, hidden_cache=cache)
+data = RolloutDataModule(rollouts, batch_size=1, pad_token_id=PAD, hidden_cache=cache)
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=1, limit_val_batches=0, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(module, datamodule=data)
+fit_calls = calls[0]
+resumed = build_hidden_cache(draft, rollouts, f"{root}/resumed", batch_size=1, shard_size=2, pad_token_id=PAD,
+                             dtype="float32")
+dist.destroy_process_group()
+json.dump({"fit_calls": fit_calls, "resumed_calls": calls[0] - fit_calls, "ready": cache.ready,
+           "fit": cache.dataset.to_dict(), "resumed": resumed.to_dict()}, open(out, "w"))
+"""
+
+
+@pytest.mark.slow  # two fresh Python processes importing torch and Lightning: seconds, more on a loaded machine
+def test_two_ranks_build_the_single_process_hidden_cache_at_fit_start_and_resume_a_started_one(tmp_path):
+    """Under a two-rank DDP Trainer the hidden cache is built at fit start by `prepare_caches`: each rank runs the
+    draft on its share of every shard's batches (3 shards of 2, 2 and 1 rollouts in batches of 1: 3 forwards each,
+    rank 1 repeating shard 2's only batch), rank 0 merges, and both read a cache equal to one process's to the bit.
+    A build another process started (shard 2 finished, the key recorded) computes only the shards it lacks."""
+    import datasets
+
+    from specdistill.caches.store import BUILDING_PREFIX
+    from specdistill.head_data import build_hidden_cache
+    from specdistill.head_data.hidden_cache import KEY_FILE
+    from tests.test_rollout import PAD
+
+    rollouts = tmp_path / "rollouts"
+    _run((tiny_lm(0, hidden=32), tiny_lm(1, hidden=16)), rollouts)
+    single = build_hidden_cache(tiny_lm(1, hidden=16), rollouts, tmp_path / "single", batch_size=1, shard_size=2,
+                                pad_token_id=PAD, dtype="float32")  # fmt: skip
+    shared = tmp_path / "shared"
+    (shared / "resumed" / "shards").mkdir(parents=True)
+    shutil.copy(tmp_path / "single" / KEY_FILE, shared / "resumed" / f"{BUILDING_PREFIX}{KEY_FILE}")
+    shutil.copytree(
+        tmp_path / "single" / "shards" / "shard_00002", shared / "resumed" / "shards" / "shard_00002"
+    )
+
+    results = run_gloo_ranks(_HIDDEN_WORKER, str(rollouts), str(shared), out_dir=tmp_path)
+
+    assert [r["fit_calls"] for r in results] == [3, 3]
+    assert [r["resumed_calls"] for r in results] == [2, 2]  # shards 0 and 1 only: shard 2 was kept
+    expected = single.to_dict()
+    for result in results:
+        assert result["ready"] and result["fit"] == expected and result["resumed"] == expected  # to the bit
+    for name in ("fit", "resumed"):  # one cache on disk, the same bytes; no parts or build marker left
+        assert sorted(p.name for p in (shared / name).iterdir()) == ["shards", KEY_FILE]
+        assert (shared / name / KEY_FILE).read_text() == (tmp_path / "single" / KEY_FILE).read_text()
+        stored = datasets.load_from_disk(str(shared / name / "shards" / "shard_00000"))
+        assert stored.data.table.equals(
+            datasets.load_from_disk(str(tmp_path / "single" / "shards" / "shard_00000")).data.table
+        )
+
+
 # --- the stage: settings, and two processes launched on one node ------------------------------------------------
 
 

@@ -6,7 +6,8 @@
   modules at fit start.
 
 The users: `specdistill.data.target_cache` (the target's top-m distributions), `specdistill.selection.reference`
-(reference scores) and `specdistill.head_data.hidden_cache` (keyed by the draft's digest).
+(reference scores), both prepared by `DistillModule`, and `specdistill.head_data.hidden_cache` (the acceptance head's
+inputs, keyed by the draft's digest; prepared by `AcceptanceHeadModule`, in resumable shards).
 """
 
 from specdistill.caches.digest import weights_digest

@@ -1,10 +1,11 @@
 """The one trigger of the fit-start caches: `prepare_caches(FitStart(trainer, target), providers)`.
 
-A provider that caches something at fit start (`CacheOnceTarget`, `ScoreOnceReference`) is a `FitStartCache`.
-`DistillModule` calls `prepare_caches` first thing at fit, validation and test start (whichever comes first), before
-it places its own frozen models, so every cache is keyed (its models' digests taken) before any model is sharded,
-and built with the models where the Trainer's strategy puts them (`specdistill.caches.store.build_or_reuse`: each
-rank its share, rank 0 merges). A provider that is ready already is skipped, so later hooks cost nothing.
+A provider that caches something at fit start (`CacheOnceTarget`, `ScoreOnceReference`, `HiddenCache`) is a
+`FitStartCache`. `DistillModule` (and `AcceptanceHeadModule`, for its `HiddenCache`) calls `prepare_caches` first
+thing at fit and validation start (and test start; whichever comes first), before it places its own frozen models,
+so every cache is keyed (its models' digests taken) before any model is sharded, and built with the models where
+the Trainer's strategy puts them (`specdistill.caches.store.build_or_reuse`: each rank its share, rank 0 merges).
+A provider that is ready already is skipped, so later hooks cost nothing.
 """
 
 from __future__ import annotations

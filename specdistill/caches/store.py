@@ -15,12 +15,18 @@ digests of the models (`specdistill.caches.digest.weights_digest`), the data's f
 
 A stale cache (its key differs: another model, dataset or setting) is recomputed into the same directory, not
 refused: the key file says what the tables were built from, and a run that changed its models expects new values.
+
+A `resumable` cache (many tables, e.g. the hidden-state cache's shards) resumes an interrupted build: rank 0 records
+the key it is building in `path/.building_<key_file>` before any table is written, each table is saved atomically
+(a temporary directory renamed into place), and a later build with that same key keeps the finished tables and
+computes only the others. A build with another key removes this cache's tables first.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -35,6 +41,8 @@ from specdistill.utils.distributed import rank_and_world_size
 log = logging.getLogger(__name__)
 
 PARTS_DIR = ".rank_parts"
+BUILDING_PREFIX = ".building_"  # + key_file: the key of a resumable build under way
+_TMP_PREFIX = ".tmp_"
 
 
 class SharedPass(ABC):
@@ -44,11 +52,13 @@ class SharedPass(ABC):
         path: the cache directory.
         key_file: the key file's name inside `path`.
         max_shard_size: arrow shard size of the saved tables (None: the `datasets` default).
+        resumable: an interrupted build with the same key keeps its finished tables (see the module doc).
     """
 
     path: Path
     key_file: str
     max_shard_size: str | None = None
+    resumable: bool = False
 
     @abstractmethod
     def key(self) -> dict[str, Any]:
@@ -88,13 +98,25 @@ def build_or_reuse(
         log.info("reusing the cache in %s (same models, data and settings)", path)
         return key, load_tables(path, list(sizes))
     rank, world_size = rank_and_world_size()
+    building = path / f"{BUILDING_PREFIX}{cache.key_file}"
     if rank == 0:
         # the key marks a complete cache: an older one must not vouch for a half-rebuilt cache
         (path / cache.key_file).unlink(missing_ok=True)
         shutil.rmtree(path / PARTS_DIR, ignore_errors=True)  # parts of an interrupted pass
+        if cache.resumable and not (reuse and read_key(path, building.name) == key):
+            for name in sizes:  # tables of another key must not pass for finished ones
+                shutil.rmtree(path / name, ignore_errors=True)
+            path.mkdir(parents=True, exist_ok=True)
+            building.write_text(json.dumps(key, indent=1))
     if world_size > 1:
         torch.distributed.barrier()
+    # read by every rank after rank 0 removed stale tables and before any is written: the same set on every rank
+    finished = {name for name in sizes if cache.resumable and (path / name).is_dir()}
+    if finished:
+        log.info("resuming the cache in %s: %d of %d tables are finished", path, len(finished), len(sizes))
     for name, size in sizes.items():
+        if name in finished:
+            continue
         part = cache.compute(name, rank, world_size)
         if world_size > 1:
             # a rank with no rows of this table writes no part (datasets cannot reload an empty one)
@@ -106,14 +128,25 @@ def build_or_reuse(
                 loaded = [datasets.load_from_disk(str(p)) for p in written if p.is_dir()]
                 part = datasets.concatenate_datasets(loaded) if loaded else part
         if rank == 0:
-            table = merged(part, name, size)
-            table.save_to_disk(str(path / name), max_shard_size=cache.max_shard_size)
+            _save(merged(part, name, size), path / name, cache)
     if rank == 0:
         shutil.rmtree(path / PARTS_DIR, ignore_errors=True)
         (path / cache.key_file).write_text(json.dumps(key, indent=1))
+        building.unlink(missing_ok=True)
     if world_size > 1:
         torch.distributed.barrier()  # rank 0 has written the one cache
     return key, load_tables(path, list(sizes))
+
+
+def _save(table: datasets.Dataset, out: Path, cache: SharedPass) -> None:
+    """Save one merged table; atomically for a resumable cache (a table directory then exists only complete)."""
+    if not cache.resumable:
+        table.save_to_disk(str(out), max_shard_size=cache.max_shard_size)
+        return
+    tmp = out.with_name(f"{_TMP_PREFIX}{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
+    table.save_to_disk(str(tmp), max_shard_size=cache.max_shard_size)
+    os.replace(tmp, out)
 
 
 def _part_path(path: Path, name: str, rank: int) -> Path:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import datasets
 import lightning as L
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from specdistill.head_data.collate import RolloutCollator
-from specdistill.head_data.hidden_cache import load_hidden_cache
+from specdistill.head_data.hidden_cache import HiddenCache, check_hidden_cache, load_hidden_cache
 from specdistill.rollout.run import load_rollouts
 
 
@@ -41,6 +43,9 @@ class RolloutDataModule(L.LightningDataModule):
         hidden_cache_dir: output of `build_hidden_cache`; when set, batches carry hidden states and no draft runs.
         num_workers: DataLoader workers.
         head_input: the head's input, `"candidate"` or `"proposer"` (see `specdistill.head_data.collate`).
+        hidden_cache: a `HiddenCache` built at fit start (by `AcceptanceHeadModule(hidden_cache=)`, the same object):
+            batches carry its hidden states, read once it is ready (the split is known at `setup`, the rows after
+            the module's fit or validation start); instead of `hidden_cache_dir`.
     """
 
     def __init__(
@@ -55,8 +60,14 @@ class RolloutDataModule(L.LightningDataModule):
         hidden_cache_dir: str | None = None,
         num_workers: int = 0,
         head_input: str = "candidate",
+        hidden_cache: HiddenCache | None = None,
     ) -> None:
         super().__init__()
+        if hidden_cache is not None and hidden_cache_dir is not None:
+            raise ValueError(
+                "RolloutDataModule takes hidden_cache (built at fit start) or hidden_cache_dir (built already), "
+                "not both"
+            )
         self.rollout_dir = rollout_dir
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
@@ -67,15 +78,25 @@ class RolloutDataModule(L.LightningDataModule):
         self.hidden_cache_dir = hidden_cache_dir
         self.num_workers = num_workers
         self.head_input = head_input
-        self.train_set: datasets.Dataset | None = None
-        self.val_set: datasets.Dataset | None = None
+        self.hidden_cache = hidden_cache
+        self.train_set: datasets.Dataset | CachedRows | None = None
+        self.val_set: datasets.Dataset | CachedRows | None = None
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
+        if self.hidden_cache is not None:
+            check_hidden_cache(
+                self.hidden_cache.key, self.hidden_cache.path, self.mixing_ratio, self.head_input
+            )
+            train, val = split_indices(self.hidden_cache.num_examples, self.val_fraction, self.seed)
+            self.train_set, self.val_set = (
+                CachedRows(self.hidden_cache, train),
+                CachedRows(self.hidden_cache, val),
+            )
+            return
         if self.hidden_cache_dir is not None:
-            data = load_hidden_cache(self.hidden_cache_dir, self.mixing_ratio, self.head_input)
-            data = data.with_format("torch", columns=["hidden"], output_all_columns=True)
+            data = _torch_rows(load_hidden_cache(self.hidden_cache_dir, self.mixing_ratio, self.head_input))
         else:
             data = load_rollouts(self.rollout_dir)
         train, val = split_indices(len(data), self.val_fraction, self.seed)
@@ -98,3 +119,40 @@ class RolloutDataModule(L.LightningDataModule):
             collate_fn=RolloutCollator(self.pad_token_id, self.mixing_ratio, self.seed, self.head_input),
             num_workers=self.num_workers,
         )
+
+
+def _torch_rows(cache: datasets.Dataset) -> datasets.Dataset:
+    """Hidden-cache rows as the collator reads them: `hidden` as a tensor, the other columns as stored."""
+    return cache.with_format("torch", columns=["hidden"], output_all_columns=True)
+
+
+class CachedRows(Dataset):
+    """Rows `indices` of a `HiddenCache` built at fit start: the length is known at `setup`, the rows once the cache is
+    ready (a validate-only run makes its dataloaders before the module's `on_validation_start` builds the cache, and
+    reads them after).
+
+    Args:
+        cache: the fit-start hidden cache.
+        indices: the rows of this split, in order.
+    """
+
+    def __init__(self, cache: HiddenCache, indices: list[int]) -> None:
+        self.cache = cache
+        self.indices = indices
+        self._rows: datasets.Dataset | None = None
+
+    def rows(self) -> datasets.Dataset:
+        """The selected rows (the cache must be ready)."""
+        if self._rows is None:
+            self._rows = _torch_rows(self.cache.dataset).select(self.indices)
+        return self._rows
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.rows()[index]
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
+        # the DataLoader's batched fetch, as it reads a `datasets.Dataset` directly: the same rows
+        return self.rows().__getitems__(indices)

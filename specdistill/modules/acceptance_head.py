@@ -4,7 +4,8 @@ Wiring only: batches come from `specdistill.head_data.RolloutDataModule` (mixed 
 inputs), the head inputs from `specdistill.head_data.judged_head_inputs`, the loss and metrics from
 `specdistill.losses.head_bce`. The head predicts each judged draft token's soft acceptance label
 (`batch["loss_mask"]`: for a candidate head the states whose input is a draft token, for a proposer head the states
-that proposed one).
+that proposed one). A hidden-state cache built at fit start (`specdistill.head_data.HiddenCache`) is prepared by
+`specdistill.caches.prepare_caches`, as `DistillModule` prepares its caches.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import torch.distributed as dist
 from lightning import LightningModule
 from torch import nn
 
+from specdistill.caches import FitStart, prepare_caches
 from specdistill.decoding.sampling import SamplingConfig
+from specdistill.head_data.hidden_cache import HiddenCache
 from specdistill.head_data.inputs import judged_head_inputs
 from specdistill.losses.head_bce import (
     auroc_rejection,
@@ -50,10 +53,13 @@ class AcceptanceHeadModule(LightningModule):
             gives SpecDec++'s cosine with 3% warmup), stepped every optimizer step; None for a constant rate.
         w_acc: weight of the acceptance term of the loss.
         w_rej: weight of the rejection term (SpecDec++: 6).
-        cache_hidden_states: read `batch["hidden_states"]` (a `build_hidden_cache` cache) instead of running the draft.
+        cache_hidden_states: read `batch["hidden_states"]` (a hidden-state cache) instead of running the draft.
         reliability_bins: bins of the ECE and of the reliability diagram.
         sampling: the decoding settings the rollouts were labelled for; a proposer head's features read the draft's
             distribution as the engine's policies will see it (default: greedy).
+        hidden_cache: a `HiddenCache` (with `cache_hidden_states=True`) built at fit or validation start, before
+            the datamodule reads its rows (give the `RolloutDataModule` the same object); None when the cache is
+            built already (`hidden_cache_dir`) or not used.
 
     Validation logs `val/head_bce` (the weighted loss over the whole split), `val/binary_kl`, `val/auroc_rejection`
     and `val/ece`, and writes `reliability_diagram.png` into the trainer's log directory.
@@ -71,10 +77,16 @@ class AcceptanceHeadModule(LightningModule):
         cache_hidden_states: bool = False,
         reliability_bins: int = 10,
         sampling: SamplingConfig | None = None,
+        hidden_cache: HiddenCache | None = None,
     ) -> None:
         super().__init__()
         if draft is None and not cache_hidden_states:
             raise ValueError("AcceptanceHeadModule needs the draft unless cache_hidden_states=True.")
+        if hidden_cache is not None and not cache_hidden_states:
+            raise ValueError(
+                "AcceptanceHeadModule got a hidden_cache but cache_hidden_states=False: set it to True to train "
+                "on the cache, or leave hidden_cache out to run the draft every step."
+            )
         if draft is not None and int(draft.config.hidden_size) != head.hidden_size:
             raise ValueError(
                 f"head.hidden_size={head.hidden_size} but the draft's hidden_size is {draft.config.hidden_size}: "
@@ -82,7 +94,9 @@ class AcceptanceHeadModule(LightningModule):
             )
         if not (w_acc > 0 and w_rej > 0):
             raise ValueError(f"w_acc={w_acc} and w_rej={w_rej} must both be positive.")
-        self.save_hyperparameters(ignore=["head", "draft", "optimizer", "scheduler", "sampling"])
+        self.save_hyperparameters(
+            ignore=["head", "draft", "optimizer", "scheduler", "sampling", "hidden_cache"]
+        )
         self.head = head
         self._draft = Frozen(draft) if draft is not None else None
         self.optimizer_factory = optimizer
@@ -90,6 +104,7 @@ class AcceptanceHeadModule(LightningModule):
         self.w_acc = w_acc
         self.w_rej = w_rej
         self.cache_hidden_states = cache_hidden_states
+        self.hidden_cache = hidden_cache
         self.reliability_bins = reliability_bins
         self._said_auroc_undefined = False
         self.sampling = sampling or SamplingConfig(greedy=True)
@@ -103,12 +118,14 @@ class AcceptanceHeadModule(LightningModule):
     # -- device placement of the frozen draft (Lightning only moves registered submodules) --
 
     def _place_frozen(self) -> None:
-        if self._draft is None:
+        if self._trainer is None:
+            if self._draft is not None:
+                self._draft.to(self.device)
             return
-        if self._trainer is not None:
+        # the fit-start cache (keyed already) is built by the ranks together, or reused, before any batch is read
+        prepare_caches(FitStart(self.trainer), (self.hidden_cache,))
+        if self._draft is not None:
             self._draft.place(self.trainer)
-        else:
-            self._draft.to(self.device)
 
     def on_fit_start(self) -> None:
         self._place_frozen()
@@ -124,8 +141,9 @@ class AcceptanceHeadModule(LightningModule):
         if self.cache_hidden_states:
             if "hidden_states" not in batch:
                 raise ValueError(
-                    "cache_hidden_states=True but the batch has no 'hidden_states': build the cache with "
-                    "specdistill.head_data.build_hidden_cache and pass hidden_cache_dir to RolloutDataModule."
+                    "cache_hidden_states=True but the batch has no 'hidden_states': give the same "
+                    "specdistill.head_data.HiddenCache to this module and to RolloutDataModule (hidden_cache=), or "
+                    "pass a built cache (build_hidden_cache) as RolloutDataModule(hidden_cache_dir=)."
                 )
             inputs = batch["hidden_states"][keep]
         else:

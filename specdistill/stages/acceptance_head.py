@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.export.head import export_head
-from specdistill.head_data import RolloutDataModule, build_hidden_cache
+from specdistill.head_data import HiddenCache, RolloutDataModule
 from specdistill.modules.acceptance_head import AcceptanceHeadModule
 from specdistill.rollout.storage import read_settings
 from specdistill.stages.build import (
@@ -62,9 +62,9 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         sampling = SamplingConfig(**read_settings(rollout_dir)["sampling"])
         hidden_cache = None
         if settings.cache_hidden_states:
-            hidden_cache = run_dir / "hidden_cache"
-            build_hidden_cache(
-                draft, rollout_dir, hidden_cache, mixing_ratio=settings.mixing_ratio, seed=cfg.seed,
+            # built at fit start (AcceptanceHeadModule), where the strategy places the draft, the ranks sharing it
+            hidden_cache = HiddenCache(
+                draft, rollout_dir, run_dir / "hidden_cache", mixing_ratio=settings.mixing_ratio, seed=cfg.seed,
                 batch_size=micro_batch_size, pad_token_id=tokenizer.pad_token_id,
                 dtype=settings.hidden_cache_dtype, head_input=head.input, sampling=sampling,
             )  # fmt: skip
@@ -75,12 +75,12 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
             val_fraction=settings.val_fraction,
             seed=cfg.seed,
             pad_token_id=tokenizer.pad_token_id,
-            hidden_cache_dir=str(hidden_cache) if hidden_cache else None,
             head_input=head.input,
+            hidden_cache=hidden_cache,
         )
         module = AcceptanceHeadModule(
             head=head,
-            draft=None if hidden_cache else draft,
+            draft=None if hidden_cache is not None else draft,
             optimizer=instantiate(settings.optimizer),
             scheduler=instantiate(settings.scheduler),
             w_acc=settings.w_acc,
@@ -88,6 +88,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
             cache_hidden_states=hidden_cache is not None,
             reliability_bins=settings.reliability_bins,
             sampling=sampling,
+            hidden_cache=hidden_cache,
         )
         trainer = build_trainer(cfg, "acceptance_head", run_dir, trainer_cfg)
         fit(trainer, module, datamodule)
