@@ -10,7 +10,8 @@ digests of the models (`specdistill.caches.digest.weights_digest`), the data's f
    (`cache.compute(name, rank, world_size)`, table after table; `specdistill.utils.distributed.batches_of_rank` keeps the ranks in step).
 3. merge: each rank writes its part under `path/.rank_parts/`; after a barrier rank 0 merges them into one table
    per name (`example_id` order, one row per example, refusing a lost one), removes the parts and writes the key
-   last, so that a key only ever vouches for complete tables.
+   last, so that a key only ever vouches for complete tables. Each table and the key are written beside their place
+   and renamed into it (`specdistill.utils.atomic`): a killed job or a full disk leaves no half-written one.
 4. load: after a barrier every rank opens the same tables.
 
 A stale cache (its key differs: another model, dataset or setting) is recomputed into the same directory, not
@@ -30,6 +31,7 @@ import datasets
 import numpy as np
 import torch
 
+from specdistill.utils.atomic import atomic_directory, atomic_write_text
 from specdistill.utils.distributed import rank_and_world_size
 
 log = logging.getLogger(__name__)
@@ -107,10 +109,11 @@ def build_or_reuse(
                 part = datasets.concatenate_datasets(loaded) if loaded else part
         if rank == 0:
             table = merged(part, name, size)
-            table.save_to_disk(str(path / name), max_shard_size=cache.max_shard_size)
+            with atomic_directory(path / name) as tmp:
+                table.save_to_disk(str(tmp), max_shard_size=cache.max_shard_size)
     if rank == 0:
         shutil.rmtree(path / PARTS_DIR, ignore_errors=True)
-        (path / cache.key_file).write_text(json.dumps(key, indent=1))
+        atomic_write_text(path / cache.key_file, json.dumps(key, indent=1))
     if world_size > 1:
         torch.distributed.barrier()  # rank 0 has written the one cache
     return key, load_tables(path, list(sizes))
