@@ -22,8 +22,8 @@ import pytest
 import torch
 from hydra import compose
 from safetensors.torch import load_file
+from test_exports import tiny_lm
 from torch.utils.data import TensorDataset
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from specdistill.data.arith_tokenizer import arith_tokenizer
 from specdistill.export.hf import export_pretrained
@@ -37,19 +37,6 @@ KILLS = 10
 
 
 # -- what is written ------------------------------------------------------------------------------------------------
-
-
-def tiny_lm() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(
-        "gpt_neox",
-        vocab_size=300,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-    )
-    return AutoModelForCausalLM.from_config(config)
 
 
 def cpu_trainer() -> L.Trainer:
@@ -156,7 +143,11 @@ def main() -> None:
     torch.set_num_threads(1)  # a forked child must not inherit a busy thread pool
     kind, folder = sys.argv[1], Path(sys.argv[2])
     if kind == "export":
-        trainer, model, tokenizer = cpu_trainer(), tiny_lm(), arith_tokenizer(vocab_size=300, train_size=200)
+        trainer, model, tokenizer = (
+            cpu_trainer(),
+            tiny_lm(300, seed=0),
+            arith_tokenizer(vocab_size=300, train_size=200),
+        )
         out = folder / "export"
         export_version(trainer, model, tokenizer, out, 0)
         reference = snapshot(out)
@@ -233,7 +224,7 @@ from specdistill.cli import report_user_error
 from specdistill.errors import UserError
 from test_atomic_outputs import arith_tokenizer, cpu_trainer, export_version, tiny_lm
 try:
-    export_version(cpu_trainer(), tiny_lm(), arith_tokenizer(vocab_size=300, train_size=200), Path(sys.argv[1]), 1)
+    export_version(cpu_trainer(), tiny_lm(300, seed=0), arith_tokenizer(vocab_size=300, train_size=200), Path(sys.argv[1]), 1)
 except UserError as error:
     report_user_error(error)
 """
@@ -243,7 +234,7 @@ def test_a_full_disk_during_an_export_keeps_the_previous_export_and_says_so(
     tokenizer, tmp_path: Path
 ) -> None:
     out = tmp_path / "export"
-    model = tiny_lm()
+    model = tiny_lm(300, seed=0)
     export_version(cpu_trainer(), model, tokenizer, out, 0)
     before = snapshot(out)
     assert (

@@ -75,17 +75,11 @@ def atomic_file(path: str | Path) -> Iterator[Path]:
         DiskFullError: the disk (or a quota, or a file-size limit) was full; `path` is unchanged.
     """
     path = Path(path)
-    tmp = sibling(path, TMP_MARK)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    with _staged(path) as tmp:
         yield tmp
         fsync_path(tmp)
         os.replace(tmp, path)
         fsync_path(path.parent)
-    except BaseException as error:
-        tmp.unlink(missing_ok=True)
-        raise_if_disk_full(error, path)
-        raise
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
@@ -106,22 +100,31 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
 def atomic_directory(path: str | Path) -> Iterator[Path]:
     """Yield an empty temporary folder beside `path` to fill; once the block ends it replaces `path` whole.
 
-    What a reader of `path` sees at each instant is in the module docstring: the old folder or the new one.
-
-    Raises:
-        DiskFullError: the disk (or a quota, or a file-size limit) was full; `path` is unchanged.
+    What a reader of `path` sees at each instant is in the module docstring: the old folder or the new one; a full
+    disk raises `DiskFullError` as `atomic_file` does.
     """
     path = Path(path)
-    tmp = sibling(path, TMP_MARK)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    with _staged(path) as tmp:
         recover(path)
         tmp.mkdir()
         yield tmp
         fsync_tree(tmp)
         swap_into_place(tmp, path)
+
+
+@contextmanager
+def _staged(path: Path) -> Iterator[Path]:
+    """This process's temporary sibling of `path` (its folder created); removed when the block fails, which raises
+    `DiskFullError` for `path` on a full disk."""
+    tmp = sibling(path, TMP_MARK)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        yield tmp
     except BaseException as error:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
         raise_if_disk_full(error, path)
         raise
 
