@@ -121,6 +121,7 @@ def kill_rounds(write_forever: Callable[[int], None], check: Callable[[], list[s
     """`KILLS` times: fork a writer, `kill -9` it after a random delay, then `check` what a reader finds."""
     rng = random.Random(seed)
     problems = []
+    started = time.monotonic()
     for round_ in range(KILLS):
         pid = os.fork()
         if pid == 0:
@@ -134,6 +135,7 @@ def kill_rounds(write_forever: Callable[[int], None], check: Callable[[], list[s
         if not os.WIFSIGNALED(status):
             problems.append(f"round {round_}: the writer stopped before it was killed")
         problems += [f"round {round_}: {problem}" for problem in check()]
+        print(f"round {round_}: killed after {time.monotonic() - started:.1f}s", file=sys.stderr, flush=True)
     return problems
 
 
@@ -172,7 +174,7 @@ def main() -> None:
 def run_kill_rounds(kind: str, folder: Path) -> list[str]:
     proc = subprocess.run(
         [sys.executable, "-c", "import test_atomic_outputs as t; t.main()", kind, str(folder)],
-        env=ENV, capture_output=True, text=True, timeout=300,
+        env=ENV, capture_output=True, text=True, timeout=600,  # seconds alone; a loaded machine is much slower
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.splitlines()[-1])
