@@ -13,6 +13,7 @@ EX_USAGE = 64  # a setting is wrong
 EX_DATAERR = 65  # the data is malformed
 EX_NOINPUT = 66  # a file or model is missing or unreadable
 EX_CANTCREAT = 73  # the run folder holds another run
+EX_IOERR = 74  # an output could not be written (the disk is full)
 
 
 class UserError(Exception):
@@ -43,3 +44,10 @@ class RunDirConflictError(UserError, ValueError):
     """The run folder holds another run (or another stage's results); nothing was written."""
 
     exit_code = EX_CANTCREAT
+
+
+class DiskFullError(UserError, OSError):
+    """An output could not be written because the disk, a quota or a file-size limit is full; the previous version
+    of that output is intact (`specdistill.utils.atomic`), so relaunching after freeing space resumes."""
+
+    exit_code = EX_IOERR

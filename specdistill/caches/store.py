@@ -10,7 +10,8 @@ digests of the models (`specdistill.caches.digest.weights_digest`), the data's f
    (`cache.compute(name, rank, world_size)`, table after table; `specdistill.utils.distributed.batches_of_rank` keeps the ranks in step).
 3. merge: each rank writes its part under `path/.rank_parts/`; after a barrier rank 0 merges them into one table
    per name (`example_id` order, one row per example, refusing a lost one), removes the parts and writes the key
-   last, so that a key only ever vouches for complete tables.
+   last, so that a key only ever vouches for complete tables. Each table and the key are written beside their place
+   and renamed into it (`specdistill.utils.atomic`): a killed job or a full disk leaves no half-written one.
 4. load: after a barrier every rank opens the same tables.
 
 A stale cache (its key differs: another model, dataset or setting) is recomputed into the same directory, not
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -36,13 +36,13 @@ import datasets
 import numpy as np
 import torch
 
+from specdistill.utils.atomic import atomic_directory, atomic_write_text
 from specdistill.utils.distributed import rank_and_world_size
 
 log = logging.getLogger(__name__)
 
 PARTS_DIR = ".rank_parts"
 BUILDING_PREFIX = ".building_"  # + key_file: the key of a resumable build under way
-_TMP_PREFIX = ".tmp_"
 
 
 class SharedPass(ABC):
@@ -131,7 +131,7 @@ def build_or_reuse(
             _save(merged(part, name, size), path / name, cache)
     if rank == 0:
         shutil.rmtree(path / PARTS_DIR, ignore_errors=True)
-        (path / cache.key_file).write_text(json.dumps(key, indent=1))
+        atomic_write_text(path / cache.key_file, json.dumps(key, indent=1))
         building.unlink(missing_ok=True)
     if world_size > 1:
         torch.distributed.barrier()  # rank 0 has written the one cache
@@ -139,14 +139,9 @@ def build_or_reuse(
 
 
 def _save(table: datasets.Dataset, out: Path, cache: SharedPass) -> None:
-    """Save one merged table; atomically for a resumable cache (a table directory then exists only complete)."""
-    if not cache.resumable:
-        table.save_to_disk(str(out), max_shard_size=cache.max_shard_size)
-        return
-    tmp = out.with_name(f"{_TMP_PREFIX}{out.name}")
-    shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
-    table.save_to_disk(str(tmp), max_shard_size=cache.max_shard_size)
-    os.replace(tmp, out)
+    """Save one merged table atomically (a table directory exists only complete: `specdistill/utils/atomic.py`)."""
+    with atomic_directory(out) as tmp:
+        table.save_to_disk(str(tmp), max_shard_size=cache.max_shard_size)
 
 
 def _part_path(path: Path, name: str, rank: int) -> Path:

@@ -27,6 +27,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from specdistill.decoding.stats import METRIC_NAMES, DecodingStats, speedup
+from specdistill.utils.atomic import atomic_file, atomic_write_text
 
 BASELINE_NAME = "autoregressive"
 TABLE_COLUMNS: tuple[str, ...] = (*METRIC_NAMES, "speedup")
@@ -95,19 +96,22 @@ class Report:
         }
 
     def save(self, directory: str | Path, plots: bool = True) -> Path:
-        """Write `report.json`, `outputs.jsonl` and (if `plots`) the two PNG plots into `directory`."""
+        """Write `outputs.jsonl`, (if `plots`) the two PNG plots and `report.json` into `directory`.
+
+        Each file is written beside itself and renamed into place (`specdistill.utils.atomic`), `report.json` last:
+        a report marks a finished evaluation, so it appears only once the files it describes are complete.
+        """
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         data = self.to_dict()
-        (directory / "report.json").write_text(json.dumps(data, indent=2) + "\n")
-        with (directory / "outputs.jsonl").open("w") as f:
+        with atomic_file(directory / "outputs.jsonl") as tmp, tmp.open("w") as f:
             for e in self.entries:
                 for row in e.outputs:
                     f.write(json.dumps({"name": e.name, **row}) + "\n")
         if plots:
             plot_acceptance_by_position(data, directory / "acceptance_by_position.png")
             plot_draft_length_hist(data, directory / "draft_length_hist.png")
-        return directory / "report.json"
+        return atomic_write_text(directory / "report.json", json.dumps(data, indent=2) + "\n")
 
 
 def _as_dict(report: Report | dict[str, Any]) -> dict[str, Any]:
@@ -225,8 +229,11 @@ def figure_per_entry(
 
 
 def _save(fig: Figure, path: str | Path) -> Path:
-    fig.savefig(path, dpi=120, bbox_inches="tight")  # tight: the legend outside the axes stays in the image
-    return Path(path)
+    path = Path(path)
+    # the temporary name hides the extension, so the format is given; tight: the legend outside the axes stays in
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=120, bbox_inches="tight", format=path.suffix.lstrip(".") or None)
+    return path
 
 
 def acceptance_by_position_figure(report: Report | dict[str, Any]) -> Figure:

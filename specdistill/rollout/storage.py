@@ -6,8 +6,8 @@ Layout of `out_dir`:
     shards/shard_00000/        one `Dataset.save_to_disk` per shard of `shard_size` prompts
     shards/shard_00001/ ...
 
-A shard is written to a temporary directory and renamed into place, so a shard directory exists only once it is
-complete; leftovers of an interrupted write are removed on resume. Several ranks share one directory
+A shard is written to a temporary directory, synced and renamed into place (`specdistill.utils.atomic`), so a shard
+directory exists only once it is complete; leftovers of an interrupted write are removed on resume. Several ranks share one directory
 (`specdistill.rollout.ranks`): each writes only its own shards, and loading the directory after all of them are done
 is the one merge (it refuses a missing shard or a lost or duplicated example).
 """
@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import datasets
 
+from specdistill.utils.atomic import TMP_MARK, atomic_directory, atomic_write_text
+
 SETTINGS_NAME = "rollout_config.json"
 SHARDS_DIR = "shards"
-_TMP_PREFIX = ".tmp_"
+_TMP_PREFIX = ".tmp_"  # leftovers of writers before specdistill.utils.atomic
 
 
 def shard_path(out_dir: str | Path, index: int) -> Path:
@@ -57,11 +58,11 @@ def prepare_out_dir(out_dir: str | Path, settings: dict[str, Any], write: bool =
             )
     elif write:
         out_dir.mkdir(parents=True, exist_ok=True)
-        _atomic_write_text(settings_path, json.dumps(settings, indent=2, sort_keys=True) + "\n")
+        atomic_write_text(settings_path, json.dumps(settings, indent=2, sort_keys=True) + "\n")
     shards = out_dir / SHARDS_DIR
     if write:
         shards.mkdir(exist_ok=True)
-        for leftover in shards.glob(f"{_TMP_PREFIX}*"):
+        for leftover in [*shards.glob(f"{_TMP_PREFIX}*"), *shards.glob(f"*{TMP_MARK}*")]:
             shutil.rmtree(leftover)
     expected = num_shards(settings["num_prompts"], settings["shard_size"])
     return [i for i in range(expected) if shard_path(out_dir, i).is_dir()]
@@ -70,13 +71,10 @@ def prepare_out_dir(out_dir: str | Path, settings: dict[str, Any], write: bool =
 def write_shard(
     out_dir: str | Path, index: int, columns: dict[str, list], features: datasets.Features
 ) -> Path:
-    """Save one shard atomically (temporary directory, then rename)."""
+    """Save one shard atomically (temporary directory, synced, then renamed into place)."""
     final = shard_path(out_dir, index)
-    tmp = final.parent / f"{_TMP_PREFIX}{final.name}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    datasets.Dataset.from_dict(columns, features=features).save_to_disk(str(tmp))
-    os.replace(tmp, final)
+    with atomic_directory(final) as tmp:
+        datasets.Dataset.from_dict(columns, features=features).save_to_disk(str(tmp))
     return final
 
 
@@ -111,9 +109,3 @@ def load_shards(out_dir: str | Path, allow_incomplete: bool = False) -> datasets
             f"{out_dir} is corrupt: prompt_index is not 0..{settings['num_prompts'] - 1} in order."
         )
     return dataset
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{_TMP_PREFIX}{path.name}")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -34,7 +34,9 @@ from specdistill.models.loading import is_placed_across_devices
 from specdistill.models.precision import MasterWeightsCheck, check_training_precision, trainable_spec
 from specdistill.models.tokenizer import ensure_pad_token, load_tokenizer
 from specdistill.stages.settings import TaskTrainingSettings, TrainingSettings
+from specdistill.utils.atomic import atomic_write_text
 from specdistill.utils.batching import BatchPlan, batch_plan, world_size
+from specdistill.utils.checkpoint_io import use_atomic_checkpoints
 from specdistill.utils.run_dir import check_checkpoint, is_rank_zero
 from specdistill.utils.strategy import check_devices
 
@@ -296,7 +298,7 @@ def build_trainer(
                                 save_top_k=1)]  # fmt: skip
     # the training bar ends where the run stops (max_steps, accumulation, limit_train_batches, epochs)
     progress = [training_progress_bar()] if trainer_cfg.get("enable_progress_bar", True) else []
-    return instantiate(
+    trainer = instantiate(
         trainer_cfg,
         default_root_dir=str(out_dir),
         logger=logger,
@@ -310,6 +312,8 @@ def build_trainer(
             *(callbacks or []),
         ],
     )
+    # checkpoint files are written beside themselves and renamed: a kill or a full disk keeps the previous one
+    return use_atomic_checkpoints(trainer)
 
 
 def fit(trainer: L.Trainer, module: L.LightningModule, datamodule: L.LightningDataModule) -> None:
@@ -382,7 +386,7 @@ def logged_metrics(trainer: L.Trainer, names: list[str]) -> dict[str, float]:
 
 def write_result(out_dir: Path, result: dict[str, Any]) -> dict[str, Any]:
     """Write `result.json` and end the stage on the console with `format_result` (rank 0)."""
-    (out_dir / "result.json").write_text(json.dumps(result, indent=2, default=str))
+    atomic_write_text(out_dir / "result.json", json.dumps(result, indent=2, default=str))
     if is_rank_zero():
         print(format_result(out_dir, result), flush=True)
     return result

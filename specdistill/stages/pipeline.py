@@ -27,6 +27,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from specdistill.errors import ConfigError, RunDirConflictError
+from specdistill.utils.atomic import atomic_write_text
 from specdistill.utils.fingerprint import BASE_FINGERPRINT_KEYS, run_fingerprint
 from specdistill.utils.run_dir import (
     describe,
@@ -148,8 +149,8 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         wire_provided(cfg, name, step, result, later=[s.name for s in steps[index + 1 :]])
     table = summary_table(results)
     print(f"pipeline finished: {out_dir}\n{table}")
-    (out_dir / "summary.txt").write_text(table + "\n")
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    atomic_write_text(out_dir / "summary.txt", table + "\n")
+    atomic_write_text(out_dir / "results.json", json.dumps(results, indent=2, default=str))
     return results
 
 

@@ -11,6 +11,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from specdistill.utils.atomic import atomic_write_text
+
 FINGERPRINT_FILE = "run_fingerprint.json"
 # written into every checkpoint *directory* (DeepSpeed) after it is saved: DeepSpeed loads its files with
 # torch.load(weights_only=False), so its fingerprint must be checked before anything in it is read
@@ -96,7 +98,4 @@ def config_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[s
 
 def sign_checkpoint_dir(path: str | Path, signature: Mapping[str, Any]) -> None:
     """Write `CHECKPOINT_SIGNATURE` (the run's fingerprint) into a checkpoint directory."""
-    target = Path(path) / CHECKPOINT_SIGNATURE
-    tmp = target.with_suffix(".tmp")
-    tmp.write_text(json.dumps(dict(signature), sort_keys=True))
-    tmp.replace(target)
+    atomic_write_text(Path(path) / CHECKPOINT_SIGNATURE, json.dumps(dict(signature), sort_keys=True))

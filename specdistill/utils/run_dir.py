@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from specdistill.errors import InputFileError, RunDirConflictError
+from specdistill.utils.atomic import atomic_write_text
 from specdistill.utils.fingerprint import (
     CHECKPOINT_SIGNATURE,
     FINGERPRINT_FILE,
@@ -74,11 +75,9 @@ def read_record(folder: str | Path) -> dict[str, Any] | None:
 
 def write_record(folder: str | Path, record: Mapping[str, Any]) -> None:
     """Write `record` atomically (a crash leaves the old record or the new one, never half of one)."""
-    path = Path(folder) / FINGERPRINT_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(dict(record), indent=2, sort_keys=True, default=str))
-    tmp.replace(path)
+    atomic_write_text(
+        Path(folder) / FINGERPRINT_FILE, json.dumps(dict(record), indent=2, sort_keys=True, default=str)
+    )
 
 
 def differences(

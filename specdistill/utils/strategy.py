@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from specdistill.utils.atomic import atomic_directory
 from specdistill.utils.extras import require
 
 log = logging.getLogger(__name__)
@@ -210,13 +211,14 @@ def deepspeed_checkpoint_to_hf(
     model = getattr(module, model_attr, None)
     if model is None or not hasattr(model, "save_pretrained"):
         raise ValueError(f"{type(module).__name__}.{model_attr} is not a Hugging Face model; set model_attr")
-    if tokenizer is not None:
-        from specdistill.export.hf import export_pretrained
-
-        return export_pretrained(model, tokenizer, out_dir, dict(metadata) if metadata is not None else None)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
+    with atomic_directory(out) as tmp:  # the previous export or this one, never part of one
+        if tokenizer is not None:
+            from specdistill.export.hf import export_pretrained
+
+            export_pretrained(model, tokenizer, tmp, dict(metadata) if metadata is not None else None)
+        else:
+            model.save_pretrained(tmp, safe_serialization=True)
     return out
 
 
