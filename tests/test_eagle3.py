@@ -128,10 +128,12 @@ def test_unroll_equals_the_decoded_chain(name):
 def test_the_head_trains_its_own_weights_only():
     target = tiny_target("llama")
     head = tiny_head(target)
-    ids = torch.randint(0, V, (1, 8))
-    outs = head.unroll(fused_states(target, ids), ids, torch.ones_like(ids), 2)
-    sum(out.logits.square().sum() for out in outs).backward()
-    assert all(p.grad is not None for p in head.parameters())
+    ids = torch.randint(0, V, (2, 8))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # a left-padded row: its pad queries attend to themselves, never to nothing
+    outs = head.unroll(fused_states(target, ids), ids, mask, 2)
+    sum(out.logits[mask.bool()].square().sum() for out in outs).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in head.parameters())
     assert target.get_input_embeddings().weight.grad is None
     assert not any(
         "embed" in name for name in head.state_dict()

@@ -420,8 +420,11 @@ class Eagle3Head(nn.Module):
         b, t = input_ids.shape
         embeds = self.embed(input_ids)
         index = torch.arange(t, device=input_ids.device)
-        # step 0's keys: causal over real tokens (a right-padded row's pads see nothing they may not)
-        causal = (index[None, :] <= index[:, None])[None, None] & attention_mask.bool()[:, None, None, :]
+        # step 0's keys: causal over real tokens, and always the query's own position, so that no row (a pad
+        # query of a left-padded row) has nothing to attend to and turns NaN, which its gradient would spread
+        causal = (index[None, :] <= index[:, None])[None, None] & (
+            attention_mask.bool()[:, None, None, :] | torch.eye(t, dtype=torch.bool, device=index.device)
+        )
         scale = 1.0 / math.sqrt(attn.head_dim)
         hidden = self.fuse(features)
         outputs: list[Eagle3Output] = []
