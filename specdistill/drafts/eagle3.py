@@ -141,19 +141,6 @@ class Eagle3(DraftKind):
         head.train()
         return head
 
-    def rows(
-        self,
-        draft: nn.Module,
-        batch: Mapping[str, Any],
-        keep: torch.Tensor,
-        target: TargetPass,
-        vocab_size: int,
-    ) -> HiddenRows:
-        """Not one row per answer token on the target's vocabulary: an EAGLE-3 head trains on `training_rows`."""
-        raise NotImplementedError(
-            "an EAGLE-3 head's rows are its unrolled steps on the draft vocabulary: use Eagle3.training_rows"
-        )
-
     def prepare(self, draft: nn.Module, data: Any) -> None:
         """The draft vocabulary: the most frequent answer tokens of the training split (`draft_vocabulary`)."""
         counts = answer_token_counts(data.tokenized("train")["labels"], draft.config.vocab_size)
