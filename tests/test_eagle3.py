@@ -84,6 +84,9 @@ def test_aux_layer_ids_must_name_states_entering_decoder_layers():
     assert check_aux_layer_ids((2, 16, 29), 32) == (2, 16, 29)
     with pytest.raises(ValueError, match="aux_layer_ids"):
         check_aux_layer_ids((2, 3, 4), 4)  # 4 is the last state, after the final norm
+    for ids in [(2, 3, 3), (3, 2, 1), (1, 2)]:  # vLLM collects each layer once, in layer order
+        with pytest.raises(ValueError, match="strictly increasing"):
+            check_aux_layer_ids(ids, 8)
     with pytest.raises(ValueError, match="aux_layer_ids"):
         eagle3_config_for(
             tiny_target("llama", num_hidden_layers=2).config, V, DRAFT_V, None

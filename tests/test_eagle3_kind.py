@@ -184,6 +184,7 @@ def test_train_py_distils_an_eagle3_head_and_evaluates_its_export(tmp_path: Path
     pair = [*TINY, "models.target.config.num_hidden_layers=4"]
     distill = tmp_path / "distill"
     check_ok(run_train(["stage=distill", *pair, "draft=eagle3", "draft.draft_vocab_size=128", "draft.ttt_steps=3",
+                        "draft.aux_layer_ids=[0,1,3]",
                         *stage_overrides("distill", 3), f"hydra.run.dir={distill}"]))  # fmt: skip
     export = distill / "export"
     config = json.loads((export / "config.json").read_text())

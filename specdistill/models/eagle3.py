@@ -93,15 +93,21 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
 
 
 def check_aux_layer_ids(aux_layer_ids: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
-    """Each id must name the state entering a decoder layer, `0 <= id < L` (vLLM cannot take the last state)."""
-    bad = [i for i in aux_layer_ids if not 0 <= i < num_layers]
-    if bad or len(aux_layer_ids) != 3:
+    """Three strictly increasing ids of states entering decoder layers, `0 <= id < L`.
+
+    vLLM cannot take the last state (after the final norm), and it collects the states in layer order, once per
+    layer: repeated or unordered ids would fuse other features there than here.
+    """
+    ids = tuple(aux_layer_ids)
+    in_range = all(0 <= i < num_layers for i in ids)
+    if len(ids) != 3 or not in_range or list(ids) != sorted(set(ids)):
         raise ValueError(
-            f"draft.aux_layer_ids={list(aux_layer_ids)} is out of range: EAGLE-3 reads three states entering "
-            f"decoder layers, ids in [0, {num_layers - 1}] for this target of {num_layers} layers (default "
-            f"{list(default_aux_layer_ids(num_layers))} for targets of 6 or more layers)"
+            f"draft.aux_layer_ids={list(ids)} is not valid for this target of {num_layers} layers: EAGLE-3 fuses "
+            f"three states entering decoder layers, three strictly increasing ids in [0, {num_layers - 1}] (the "
+            f"default {list(default_aux_layer_ids(num_layers))} is valid from 7 layers on; set e.g. "
+            "draft.aux_layer_ids=[1,2,3])"
         )
-    return tuple(aux_layer_ids)
+    return ids
 
 
 # ---------------------------------------------------------------------------------------------- draft vocabulary
