@@ -24,6 +24,8 @@ from specdistill.losses import ForwardKL
 from specdistill.losses.answers import answer_mask
 from specdistill.losses.divergence import forward_kl
 from specdistill.modules import DistillModule
+from specdistill.selection.reference import OnlineReference
+from specdistill.selection.selectors import AdaSpecSelector, DraftLossSelector
 from tests.helpers import TINY, check_ok, run_train, stage_overrides
 from tests.test_eagle3 import AUX, tiny_target
 from tests.test_engine import GREEDY
@@ -139,6 +141,28 @@ def test_the_head_trains_through_distill_module(tmp_path):
     assert (
         module.last_selection.token_ids.numel() == module.last_selection.keep.numel()
     )  # one per unrolled row
+
+
+def test_a_selector_selects_among_the_unrolled_rows_and_adaspec_is_refused():
+    target, kind, head = built()
+    module = DistillModule(
+        draft=head, target=target, vocab_size=V, divergence=ForwardKL(),
+        optimizer=functools.partial(torch.optim.AdamW, lr=1e-3), kind=kind, selector=DraftLossSelector(k=0.5),
+    )  # fmt: skip
+    b = batch()
+    loss = module.training_step(b, 0)
+    record = module.last_selection
+    steps_rows = len(kind.training_rows(head, b, answer_mask(b["labels"]),
+                                        target_pass(target, b, answer_mask(b["labels"]), V, AUX), V).draft)  # fmt: skip
+    assert record.keep.numel() == record.token_ids.numel() == steps_rows > int(answer_mask(b["labels"]).sum())
+    assert 0 < int(record.keep.sum()) < steps_rows and torch.isfinite(loss)
+    adaspec = DistillModule(
+        draft=head, target=target, vocab_size=V, divergence=ForwardKL(),
+        optimizer=functools.partial(torch.optim.AdamW, lr=1e-3), kind=kind, selector=AdaSpecSelector(k=0.5),
+        reference=OnlineReference(tiny_target("llama", vocab=V, seed=1), ForwardKL(), V),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="choose a selector without a reference"):
+        adaspec.training_step(b, 0)
 
 
 @pytest.fixture(scope="module")
