@@ -212,11 +212,7 @@ def test_train_py_distils_an_eagle3_head_and_evaluates_its_export(tmp_path: Path
                         *stage_overrides("distill", 3), f"hydra.run.dir={distill}"]))  # fmt: skip
     export = distill / "export"
     config = json.loads((export / "config.json").read_text())
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [
-        2,
-        2,
-        1,
-    ]  # (2, L // 2, L - 3), L = 4
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 3]
     assert config["draft_vocab_size"] == 128
     result = json.loads((distill / "result.json").read_text())
     assert 0 < result["val/expected_acceptance"] <= 1
