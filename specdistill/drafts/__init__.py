@@ -12,8 +12,9 @@ from pathlib import Path
 
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
+from torch import nn
 
-from specdistill.drafts.base import KIND_FILE, DraftKind, LoadedDraft, TargetPass, target_pass
+from specdistill.drafts.base import KIND_FILE, DraftKind, LoadedDraft, TargetPass, TrainingRows, target_pass
 from specdistill.drafts.standalone import Standalone
 from specdistill.errors import InputFileError
 from specdistill.models.loading import ModelSpec
@@ -24,6 +25,7 @@ __all__ = [
     "LoadedDraft",
     "Standalone",
     "TargetPass",
+    "TrainingRows",
     "exported_kind",
     "load_draft",
     "target_pass",
@@ -63,12 +65,15 @@ def exported_kind(path: str | Path) -> DraftKind:
     return kind
 
 
-def load_draft(spec: ModelSpec | str | Path, vocab_size: int | None = None) -> LoadedDraft:
+def load_draft(
+    spec: ModelSpec | str | Path, vocab_size: int | None = None, target: nn.Module | None = None
+) -> LoadedDraft:
     """Load a draft export (or hub model) through the kind it records.
 
     Args:
         spec: the export directory, or a `ModelSpec` with it (its dtype, revision, device_map apply).
         vocab_size: the tokenizer's real vocabulary; the draft must cover it.
+        target: the loaded frozen target, for kinds whose draft uses part of it (`DraftKind.load`).
     """
     if not isinstance(spec, ModelSpec):
         spec = ModelSpec(pretrained_model_name_or_path=str(spec))
@@ -78,4 +83,4 @@ def load_draft(spec: ModelSpec | str | Path, vocab_size: int | None = None) -> L
         )
     path = spec.pretrained_model_name_or_path
     kind = exported_kind(path)
-    return LoadedDraft(kind, kind.load(spec, vocab_size), source=path)
+    return LoadedDraft(kind, kind.load(spec, vocab_size, target), source=path)

@@ -46,6 +46,24 @@ class TargetPass:
     hidden_states: Mapping[int, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class TrainingRows:
+    """The rows a divergence compares in training (`DraftKind.training_rows`), `M` of them.
+
+    Attributes:
+        target: the target's rows (`M` of them).
+        draft: the draft's rows, same order.
+        weight: `(M,)` weight of each row's divergence in the loss, or None for 1 (the plain per-token loss).
+        answer_index: `(M,)` long, the answer token (row of `keep`, row-major) each row belongs to, or None when
+            row `i` is answer token `i` (`M = N`); a selector's statistics read the token ids through it.
+    """
+
+    target: HiddenRows | SparseRows
+    draft: HiddenRows
+    weight: torch.Tensor | None = None
+    answer_index: torch.Tensor | None = None
+
+
 def target_pass(
     target: nn.Module,
     batch: Mapping[str, Any],
@@ -126,6 +144,28 @@ class DraftKind:
         """
         return answer_rows(draft, batch, keep, vocab_size)
 
+    def training_rows(
+        self,
+        draft: nn.Module,
+        batch: Mapping[str, Any],
+        keep: torch.Tensor,
+        target: TargetPass,
+        vocab_size: int,
+    ) -> TrainingRows:
+        """What `DistillModule` trains on: by default the target's answer rows against `rows(...)`, one per answer
+        token with weight 1. A kind that trains on more rows per answer token (EAGLE-3's unrolled steps, each with
+        its weight) or on other columns overrides it; the arguments are those of `rows`."""
+        return TrainingRows(target.rows, self.rows(draft, batch, keep, target, vocab_size))
+
+    def prepare(self, draft: nn.Module, data: Any) -> None:
+        """Called once by a training stage after its data module is built, before training: a kind that derives
+        part of its draft from the training data (EAGLE-3's draft vocabulary) does it here; nothing by default.
+
+        Args:
+            draft: the model `build` returned.
+            data: the stage's `TaskDataModule` (`tokenized("train")` holds the training answers' `labels`).
+        """
+
     def export(
         self,
         draft: nn.Module,
@@ -139,9 +179,12 @@ class DraftKind:
         self.write_record(out)
         return out
 
-    def load(self, spec: ModelSpec, vocab_size: int | None = None) -> nn.Module:
+    def load(
+        self, spec: ModelSpec, vocab_size: int | None = None, target: nn.Module | None = None
+    ) -> nn.Module:
         """The draft of an export of this kind (`spec.pretrained_model_name_or_path`), in `spec.dtype`; by default
-        `load_model(spec)`, checked to cover the tokenizer's `vocab_size` when given."""
+        `load_model(spec)`, checked to cover the tokenizer's `vocab_size` when given. `target` is the loaded frozen
+        target, for kinds whose draft uses part of it (EAGLE-3 heads its embeddings); a causal LM ignores it."""
         model = load_model(spec, vocab_size=vocab_size)
         if vocab_size is not None:
             check_model_covers_vocab("draft", model, vocab_size)

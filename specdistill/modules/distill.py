@@ -19,7 +19,7 @@ from torch import nn
 
 from specdistill.caches import FitStart, prepare_caches
 from specdistill.data.target_cache import CachedTarget
-from specdistill.drafts.base import DraftKind, TargetPass, target_pass
+from specdistill.drafts.base import DraftKind, TargetPass, TrainingRows, target_pass
 from specdistill.drafts.standalone import Standalone
 from specdistill.losses.answers import answer_mask
 from specdistill.losses.chunked import rowwise
@@ -167,21 +167,19 @@ class DistillModule(LightningModule):
             return 1, 1
         return self._trainer.world_size, self._trainer.accumulate_grad_batches
 
-    def _answer_rows(
-        self, batch: Mapping[str, Any], split: str
-    ) -> tuple[torch.Tensor, HiddenRows | SparseRows, HiddenRows]:
-        """Return `(answer_mask (B, T-1), target rows, draft rows)`: final hidden states `(N, H)` at the answer
-        positions and each model's output layer, never full logits (`specdistill.losses.rows`); the target runs once,
+    def _answer_rows(self, batch: Mapping[str, Any], split: str) -> tuple[torch.Tensor, TrainingRows]:
+        """Return `(answer_mask (B, T-1), training rows)`: the target's and the draft's rows, final hidden states
+        `(M, H)` and each model's output layer, never full logits (`specdistill.losses.rows`); the target runs once,
         no grad (or its cached top-m rows of `split` are read), and the draft kind turns the batch and that target
-        pass into the draft's rows. The divergence projects `chunk_size` rows at a time."""
+        pass into the rows (`DraftKind.training_rows`: one per answer token, or more with weights). The divergence
+        projects `chunk_size` rows at a time."""
         keep = answer_mask(batch["labels"])
         if self.cached_target is not None:
             target = TargetPass(self.cached_target.rows(batch, keep, split))
         else:
             with torch.no_grad():
                 target = target_pass(self.target, batch, keep, self.vocab_size, self.kind.target_layers)
-        draft_rows = self.kind.rows(self.draft, batch, keep, target, self.vocab_size)
-        return keep, target.rows, draft_rows
+        return keep, self.kind.training_rows(self.draft, batch, keep, target, self.vocab_size)
 
     def _select(
         self,
@@ -190,25 +188,37 @@ class DistillModule(LightningModule):
         target_rows: HiddenRows | SparseRows,
         per_token: torch.Tensor,
         normaliser: torch.Tensor,
+        answer_index: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Run the selector (and the reference it needs) on one micro-batch; record it in `last_selection`.
 
         Args:
-            answers: `(B, T-1)` bool answer mask; target_rows: the target's answer rows; per_token: `(N,)` D(p, q);
-            normaliser: `()` the window normaliser.
+            answers: `(B, T-1)` bool answer mask; target_rows: the target's rows; per_token: `(M,)` D(p, q);
+            normaliser: `()` the window normaliser; answer_index: `(M,)` the answer token of each row
+            (`TrainingRows.answer_index`), None when the rows are the `N` answer tokens.
 
         Returns:
-            `(keep (N,) bool or None for every token, normaliser ())` for `reduce_tokens`.
+            `(keep (M,) bool or None for every row, normaliser ())` for `reduce_tokens`.
         """
         draft_divergence = per_token.detach()
         token_ids = batch["labels"][:, 1:][answers]
+        if answer_index is not None:
+            token_ids = token_ids[answer_index]
         if self.selector is None:
             keep = torch.ones_like(draft_divergence, dtype=torch.bool)
             self.last_selection = SelectionRecord(keep, None, draft_divergence, None, token_ids)
             return None, normaliser
         rows = torch.arange(answers.shape[0], device=answers.device)
         sequence_index = rows[:, None].expand_as(answers)[answers]
+        if answer_index is not None:
+            sequence_index = sequence_index[answer_index]
         reference_divergence = None
+        if self.uses_reference and answer_index is not None:
+            raise ValueError(
+                f"{type(self.selector).__name__} reads a reference model's divergence per answer token, but the "
+                f"draft kind {type(self.kind).__name__} trains on its own rows (several per answer token): choose a "
+                "selector without a reference (selector=draft_loss, random or none)"
+            )
         if self.uses_reference:
             reference_divergence = self.reference.score(batch, answers, target_rows)
         selection = self.selector.select(draft_divergence, reference_divergence, sequence_index, normaliser)
@@ -220,15 +230,23 @@ class DistillModule(LightningModule):
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
         world_size, accumulate = self._window()
         normaliser = window_normaliser(batch, world_size)
-        answers, target_rows, draft_rows = self._answer_rows(batch, "train")
+        answers, rows = self._answer_rows(batch, "train")
+        target_rows, draft_rows = rows.target, rows.draft
         fused = (
             self.divergence.kernel != "torch"
         )  # the kernel gives the loss; `rows` the values to select from
+        if fused and rows.weight is not None:
+            raise ValueError(
+                f"divergence.kernel={self.divergence.kernel} sums unweighted rows, but the draft kind "
+                f"{type(self.kind).__name__} weighs its rows: use divergence.kernel=torch"
+            )
         with torch.no_grad() if fused else contextlib.nullcontext():
             per_token = self.divergence.rows(target_rows, draft_rows)
         keep, normaliser = self._select(
-            batch, answers, target_rows, per_token, normaliser.to(per_token.device)
+            batch, answers, target_rows, per_token, normaliser.to(per_token.device), rows.answer_index
         )
+        if rows.weight is not None:
+            per_token = per_token * rows.weight.to(per_token)
         if fused:
             total = fused_divergence_sum(self.divergence, target_rows, draft_rows, keep)
             loss = total / torch.where(normaliser > 0, normaliser, 1).to(total) * accumulate
@@ -239,21 +257,29 @@ class DistillModule(LightningModule):
         return loss
 
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
-        answers, target_rows, draft_rows = self._answer_rows(batch, "validation")
+        answers, rows = self._answer_rows(batch, "validation")
         num_tokens = int(answers.sum())
         if num_tokens == 0:
             return
         loss, kl, acceptance = rowwise(
             [self.divergence.per_token, forward_kl, expected_acceptance],
-            target_rows,
-            draft_rows,
+            rows.target,
+            rows.draft,
             self.divergence.chunk_size,
         )
         # batch_size = answer tokens, so the epoch value is the mean per answer token, not per batch.
         log = functools.partial(self.log, batch_size=num_tokens, sync_dist=True, on_epoch=True, on_step=False)
-        log("val/loss", loss.mean())
-        log("val/kl", kl.mean())
-        log("val/expected_acceptance", acceptance.mean(), prog_bar=True)
+        if rows.weight is None:
+            log("val/loss", loss.mean())
+            log("val/kl", kl.mean())
+            log("val/expected_acceptance", acceptance.mean(), prog_bar=True)
+            return
+        # weighted rows: the loss as training sums it (per answer token), the metrics as weighted row means
+        weight = rows.weight.to(loss)
+        total = weight.sum().clamp_min(torch.finfo(weight.dtype).tiny)
+        log("val/loss", (weight * loss).sum() / num_tokens)
+        log("val/kl", (weight * kl).sum() / total)
+        log("val/expected_acceptance", (weight * acceptance).sum() / total, prog_bar=True)
 
     def configure_optimizers(self) -> Any:
         return configure_optimization(self, self.draft, self.optimizer_factory, self.scheduler_factory)

@@ -117,6 +117,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     kind = draft_kind(cfg)
     tokenizer, models, vocab_size = load_models(cfg, specs, drafts=dict.fromkeys(TRAINED_ROLES, kind))
     datamodule = training_datamodule(cfg, tokenizer, settings, trainer_cfg)
+    kind.prepare(models["draft"], datamodule)
     if baseline is not None:
         matched_steps(baseline, len(datamodule.tokenized("train")), trainer_cfg)
     divergence = instantiate(cfg.divergence)

@@ -164,7 +164,7 @@ def load_frozen_target_and_drafts(
     tokenizer = shared_tokenizer(cfg, specs)
     vocab_size = len(tokenizer)
     target = _load_checked("target", specs.pop("target"), vocab_size)
-    loaded = {name: load_draft(spec, vocab_size) for name, spec in specs.items()}
+    loaded = {name: load_draft(spec, vocab_size, target) for name, spec in specs.items()}
     for model in [target, *(draft.model for draft in loaded.values())]:
         freeze(model)
         if not is_placed_across_devices(model):

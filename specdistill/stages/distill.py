@@ -45,6 +45,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     specs = {"target": model_spec(cfg.models.target)}
     tokenizer, models, vocab_size = load_models(cfg, specs, drafts=dict.fromkeys(TRAINED_ROLES, kind))
     datamodule = training_datamodule(cfg, tokenizer, settings, trainer_cfg)
+    kind.prepare(models["draft"], datamodule)
     target = models.pop("target")
     if settings.cached_target:
         # cached at fit start where the Trainer places the target, every rank a share of each split (or reused);

@@ -2,5 +2,6 @@
 
 from specdistill.decoding.proposers.base import DraftProposal, Proposer, TargetHidden
 from specdistill.decoding.proposers.draft_lm import DraftLMProposer
+from specdistill.decoding.proposers.eagle3 import Eagle3Proposer
 
-__all__ = ["DraftLMProposer", "DraftProposal", "Proposer", "TargetHidden"]
+__all__ = ["DraftLMProposer", "Eagle3Proposer", "DraftProposal", "Proposer", "TargetHidden"]

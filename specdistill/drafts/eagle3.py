@@ -1,0 +1,298 @@
+"""The EAGLE-3 draft kind: a head on the frozen target's hidden states (`specdistill.models.eagle3`).
+
+`python train.py stage=distill draft=eagle3` trains an `Eagle3Head` through `DistillModule`:
+
+- `build`: the head's shape from the target's config, the target's input embeddings attached (frozen, shared, never
+  exported); `prepare` sets the draft vocabulary to the `draft_vocab_size` most frequent answer tokens of the
+  training split (ties by id), so the vocabulary is a function of the task's training data only.
+- `training_rows`: training-time test. The head is unrolled on its own outputs for `ttt_steps` steps
+  (`Eagle3Head.unroll`); step `j`'s rows are every answer position, scored by the head's chain of `j` own steps
+  before it, weighted `step_weight ** j`, against the target's softmax restricted to the draft vocabulary (its
+  logits at those columns, renormalised); rows whose target argmax lies outside the draft vocabulary, and rows whose
+  chain would start before the sequence, are left out. With forward KL (`divergence=forward_kl`, the default) this
+  is the public recipe's loss (soft cross-entropy up to the target's entropy, which has no gradient).
+- `export`: the layout vLLM and SGLang load (`config.json` with `architectures: ["LlamaForCausalLMEagle3"]`,
+  `model.safetensors` with `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`, no embeddings), the tokenizer,
+  `specdistill.json` and `draft_kind.json`.
+- `load`: needs the loaded target (`load_draft(..., target=...)`, which evaluate and rollout pass), whose input
+  embeddings the head attaches; `proposer`: an `Eagle3Proposer`.
+
+Index convention: `aux_layer_ids` are indices into the target's `output_hidden_states` (the state entering decoder
+layer `i`), the same numbers as vLLM's `eagle_aux_hidden_state_layer_ids` (see `specdistill.models.eagle3`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from specdistill.decoding.proposers.eagle3 import Eagle3Proposer
+from specdistill.drafts.base import DraftKind, TargetPass, TrainingRows
+from specdistill.errors import ConfigError, InputFileError
+from specdistill.export.hf import umask_modes
+from specdistill.losses.rows import HiddenRows
+from specdistill.models.eagle3 import (
+    Eagle3Config,
+    Eagle3Head,
+    answer_token_counts,
+    draft_vocabulary,
+    eagle3_config_for,
+)
+from specdistill.models.loading import ModelSpec
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_FILE = "model.safetensors"
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+class ProjectedHead:
+    """A linear output layer as an `OutputHead`-like head: `(..., H) -> (..., vocab_size)`, optionally keeping only
+    the given output columns (the target's logits on the draft vocabulary)."""
+
+    def __init__(self, base: Any, layer: nn.Module, columns: torch.Tensor | None = None) -> None:
+        self.base = base
+        self.layer = layer  # what the chunked loss checks for trainable parameters
+        self.columns = columns
+        self.vocab_size = len(columns) if columns is not None else layer.weight.shape[0]
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.base(hidden)
+        return logits if self.columns is None else logits[..., self.columns]
+
+
+class Eagle3(DraftKind):
+    """The draft is an EAGLE-3 head (`conf/draft/eagle3.yaml`).
+
+    Args:
+        draft_vocab_size: tokens of the draft vocabulary (capped at the tokenizer's vocabulary).
+        aux_layer_ids: the three target states fused (output_hidden_states indices); None: `(2, L // 2, L - 3)`.
+        ttt_steps: training-time-test steps (>= 1).
+        step_weight: loss weight ratio between consecutive steps (step `j` weighs `step_weight ** j`).
+        norm_before_residual: the head's residual is the normed input (SpecForge's option); exported as stated.
+    """
+
+    def __init__(
+        self,
+        draft_vocab_size: int = 32000,
+        aux_layer_ids: list[int] | tuple[int, ...] | None = None,
+        ttt_steps: int = 7,
+        step_weight: float = 0.8,
+        norm_before_residual: bool = False,
+    ) -> None:
+        if (
+            isinstance(draft_vocab_size, bool)
+            or not isinstance(draft_vocab_size, int)
+            or draft_vocab_size < 1
+        ):
+            raise ConfigError(f"draft.draft_vocab_size={draft_vocab_size!r} must be a positive int")
+        if isinstance(ttt_steps, bool) or not isinstance(ttt_steps, int) or ttt_steps < 1:
+            raise ConfigError(f"draft.ttt_steps={ttt_steps!r} must be an int >= 1 (1: no unrolling)")
+        if not 0.0 < float(step_weight) <= 1.0:
+            raise ConfigError(f"draft.step_weight={step_weight!r} must lie in (0, 1]")
+        self.draft_vocab_size = draft_vocab_size
+        self.aux_layer_ids = None if aux_layer_ids is None else tuple(int(i) for i in aux_layer_ids)
+        self.ttt_steps = ttt_steps
+        self.step_weight = float(step_weight)
+        self.norm_before_residual = bool(norm_before_residual)
+        if self.aux_layer_ids is not None:
+            self.target_layers = self.aux_layer_ids
+
+    def settings(self) -> dict[str, Any]:
+        return {
+            "draft_vocab_size": self.draft_vocab_size,
+            "aux_layer_ids": None if self.aux_layer_ids is None else list(self.aux_layer_ids),
+            "ttt_steps": self.ttt_steps,
+            "step_weight": self.step_weight,
+            "norm_before_residual": self.norm_before_residual,
+        }
+
+    # -- building and training
+
+    def build(self, target: nn.Module | None, vocab_size: int, pure_bf16: bool = False) -> nn.Module:
+        """A random head shaped for `target`, its draft vocabulary the first ids until `prepare` sets it."""
+        if target is None:
+            raise ValueError(
+                "an EAGLE-3 head reads the target's hidden states: this stage loads no target model"
+            )
+        embeddings = target.get_input_embeddings()
+        size = min(self.draft_vocab_size, vocab_size)
+        if size < self.draft_vocab_size:
+            log.info(
+                "draft.draft_vocab_size=%d capped at the tokenizer's %d tokens", self.draft_vocab_size, size
+            )
+        try:
+            config = eagle3_config_for(target.config, embeddings.weight.shape[0], size, self.aux_layer_ids)
+        except ValueError as error:
+            raise ConfigError(str(error)) from error
+        config = Eagle3Config(**{**config.to_dict(), "norm_before_residual": self.norm_before_residual})
+        self.aux_layer_ids = self.target_layers = config.aux_layer_ids
+        head = Eagle3Head(config)
+        head.to(device=embeddings.weight.device, dtype=torch.bfloat16 if pure_bf16 else torch.float32)
+        head.attach_embeddings(embeddings)
+        head.train()
+        return head
+
+    def prepare(self, draft: nn.Module, data: Any) -> None:
+        """The draft vocabulary: the most frequent answer tokens of the training split (`draft_vocabulary`)."""
+        counts = answer_token_counts(data.tokenized("train")["labels"], draft.config.vocab_size)
+        draft.set_vocabulary(draft_vocabulary(counts, draft.config.draft_vocab_size))
+
+    def training_rows(
+        self,
+        draft: nn.Module,
+        batch: Mapping[str, Any],
+        keep: torch.Tensor,
+        target: TargetPass,
+        vocab_size: int,
+    ) -> TrainingRows:
+        """The unrolled steps' rows (see the module docstring), `M <= ttt_steps * N` of them.
+
+        Step `j` scores the answer row `(b, s)` (the target's row predicting token `s + 1`) from index
+        `p = s - 1 - j` of the unroll, the chain anchored at `p`; `p < 0` has no chain and is left out.
+        """
+        if not isinstance(target.rows, HiddenRows):
+            raise ValueError(
+                "an EAGLE-3 head trains against the target's hidden rows, not cached distributions"
+            )
+        features = torch.cat([target.hidden_states[i] for i in self.target_layers], dim=-1)
+        outputs = draft.unroll(features, batch["input_ids"], batch["attention_mask"], self.ttt_steps)
+        rows, positions = keep.nonzero(as_tuple=True)  # (N,) answer rows in row-major order
+        columns = draft.target_ids
+        with torch.no_grad():
+            in_vocab = draft.t2d[_argmax(target.rows)]
+        hidden, weight, index = [], [], []
+        answer = torch.arange(rows.numel(), device=rows.device)
+        for step, out in enumerate(outputs):
+            anchor = positions - 1 - step
+            valid = (anchor >= 0) & in_vocab
+            hidden.append(out.normed[rows[valid], anchor[valid]])
+            weight.append(torch.full((int(valid.sum()),), self.step_weight**step, device=rows.device))
+            index.append(answer[valid])
+        answer_index = torch.cat(index)
+        target_head = ProjectedHead(target.rows.head, target.rows.head.layer, columns)
+        return TrainingRows(
+            target=HiddenRows(target.rows.hidden[answer_index], target_head),
+            draft=HiddenRows(torch.cat(hidden), ProjectedHead(draft.lm_head, draft.lm_head)),
+            weight=torch.cat(weight),
+            answer_index=answer_index,
+        )
+
+    # -- export and loading
+
+    def export(
+        self,
+        draft: nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        out_dir: Path,
+        metadata: dict[str, Any] | None = None,
+    ) -> Path:
+        """vLLM's and SGLang's EAGLE-3 layout (see the module docstring), the tokenizer and this kind's record."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        state = {name: tensor.detach().cpu().contiguous() for name, tensor in draft.state_dict().items()}
+        save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+        (out / "config.json").write_text(
+            json.dumps(export_config(draft.config, tokenizer, draft), indent=2) + "\n"
+        )
+        tokenizer.save_pretrained(out)
+        if metadata is not None:
+            (out / "specdistill.json").write_text(json.dumps(metadata, indent=2, default=str))
+        self.write_record(out)
+        umask_modes(out)
+        return out
+
+    def load(
+        self, spec: ModelSpec, vocab_size: int | None = None, target: nn.Module | None = None
+    ) -> nn.Module:
+        """The exported head in `spec.dtype`, on the target's embeddings (`target` is required)."""
+        path = Path(spec.pretrained_model_name_or_path).expanduser()
+        if target is None:
+            raise ValueError(
+                f"{path} is an EAGLE-3 head, which drafts on the target's embeddings and hidden states: load it "
+                "with the target (load_draft(path, vocab_size, target=target)); stages without a target "
+                "(acceptance_head) cannot use it yet"
+            )
+        config = config_from_export(path)
+        head = Eagle3Head(config)
+        try:
+            head.load_state_dict(load_file(str(path / WEIGHTS_FILE)), strict=True)
+        except (OSError, RuntimeError) as error:
+            raise InputFileError(
+                f"{path / WEIGHTS_FILE} does not hold this EAGLE-3 head ({error})"
+            ) from error
+        head.to(dtype=spec.torch_dtype)
+        head.attach_embeddings(target.get_input_embeddings())
+        head.to(target.get_input_embeddings().weight.device)
+        self.aux_layer_ids = self.target_layers = config.aux_layer_ids
+        return head.eval()
+
+    def proposer(self, model: nn.Module, vocab_size: int) -> nn.Module:
+        return Eagle3Proposer(model, vocab_size)
+
+
+def _argmax(rows: HiddenRows, chunk: int = 1024) -> torch.Tensor:
+    """`(N,)` argmax of the rows' logits, projected `chunk` rows at a time (never all `(N, V)` at once)."""
+    out = [rows.head(rows.hidden[i : i + chunk]).argmax(-1) for i in range(0, len(rows), chunk)]
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=rows.hidden.device)
+
+
+def export_config(
+    config: Eagle3Config, tokenizer: PreTrainedTokenizerBase, head: nn.Module
+) -> dict[str, Any]:
+    """The `config.json` vLLM (`eagle3`), SGLang and SafeAILab/EAGLE read: a one-layer Llama with EAGLE-3 fields,
+    plus `specdistill_eagle3`, the head's full shape for `config_from_export`."""
+    dtype = str(next(head.parameters()).dtype).removeprefix("torch.")
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": config.hidden_act,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": config.max_position_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "vocab_size": config.vocab_size,
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        "norm_before_residual": config.norm_before_residual,
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
+            "use_aux_hidden_state": True,
+            "use_input_layernorm_in_first_layer": True,
+            "use_mtp_layernorm": False,
+        },
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "torch_dtype": dtype,
+        "specdistill_eagle3": config.to_dict(),
+    }
+
+
+def config_from_export(path: Path) -> Eagle3Config:
+    """The head's shape recorded in an export's `config.json`."""
+    config_path = path / "config.json"
+    try:
+        record = json.loads(config_path.read_text())["specdistill_eagle3"]
+        return Eagle3Config(**record)
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
+        raise InputFileError(
+            f"{config_path} is not a specdistill EAGLE-3 export's config ({error!r}): re-export the head"
+        ) from error
