@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import shutil
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 
+from specdistill.utils.atomic import TMP_MARK, fsync_tree, raise_if_disk_full, recover, swap_into_place
 from specdistill.utils.fingerprint import config_differences, sign_checkpoint_dir
+from specdistill.utils.strategy import deepspeed_stage
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +36,15 @@ class RunFingerprint(L.Callback):
             return
         save = strategy.save_checkpoint
 
+        signature = {"fingerprint": self.fingerprint, "models": self.models}
+
         def save_and_sign(checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
+            if deepspeed_stage(strategy) is not None:  # a folder of every rank's shards
+                save_folder_atomically(trainer, save, checkpoint, Path(filepath), storage_options, signature)
+                return
             save(checkpoint, filepath, storage_options=storage_options)
             if Path(filepath).is_dir() and trainer.is_global_zero:
-                sign_checkpoint_dir(filepath, {"fingerprint": self.fingerprint, "models": self.models})
+                sign_checkpoint_dir(filepath, signature)
 
         save_and_sign._specdistill_signs = True  # type: ignore[attr-defined]
         strategy.save_checkpoint = save_and_sign  # type: ignore[method-assign]
@@ -62,3 +70,39 @@ class RunFingerprint(L.Callback):
                 f"{', '.join(changed[:10]) or '?'}); resume with the same models=... settings, or start a new run "
                 "directory (hydra.run.dir=<new dir>)"
             )
+
+
+def save_folder_atomically(
+    trainer: L.Trainer,
+    save: Callable[..., None],
+    checkpoint: dict,
+    path: Path,
+    storage_options: Any,
+    signature: Mapping[str, Any],
+) -> None:
+    """Save a checkpoint folder that every rank writes its shards into (DeepSpeed) so that `path` is only ever the
+    previous complete, signed checkpoint or the new one (`specdistill/utils/atomic.py`).
+
+    All ranks write into one staging sibling whose name they agree on without talking (`<name>.tmp-shards`); after a
+    barrier rank 0 signs it, syncs it and swaps it into place, and a second barrier holds every rank until then. A
+    save that dies (a kill, a full disk) leaves `path` as it was; the next save removes the staging folder first.
+    """
+    staging = path.with_name(f"{path.name}{TMP_MARK}shards")
+    strategy = trainer.strategy
+    if trainer.is_global_zero:
+        recover(path)  # a folder an earlier, killed swap moved aside; leftovers
+        shutil.rmtree(staging, ignore_errors=True)
+    strategy.barrier()
+    try:
+        save(checkpoint, staging, storage_options=storage_options)
+        strategy.barrier()  # every rank's shards are in the staging folder
+        if trainer.is_global_zero:
+            sign_checkpoint_dir(staging, signature)
+            fsync_tree(staging)
+            swap_into_place(staging, path)
+    except Exception as error:
+        if trainer.is_global_zero:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise_if_disk_full(error, path)
+        raise
+    strategy.barrier()
