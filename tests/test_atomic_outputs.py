@@ -11,6 +11,7 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from itertools import count
@@ -20,6 +21,8 @@ import datasets
 import lightning as L
 import pytest
 import torch
+import tqdm
+import transformers
 from hydra import compose
 from safetensors.torch import load_file
 from test_exports import tiny_lm
@@ -143,6 +146,12 @@ def main() -> None:
     """`python -c 'import test_atomic_outputs as t; t.main()' export|rollouts <folder>`: the kill rounds in a fresh
     process (forked writers start at once, with everything imported), printing the problems found as JSON."""
     torch.set_num_threads(1)  # a forked child must not inherit a busy thread pool
+    # tqdm's default lock is a semaphore shared with forked children: one killed while it held the lock (a progress
+    # bar of save_pretrained or datasets) would leave it held and hang this process's next export. A lock of this
+    # process alone, no monitor thread, and no transformers bars at all.
+    tqdm.tqdm.set_lock(threading.RLock())
+    tqdm.tqdm.monitor_interval = 0
+    transformers.utils.logging.disable_progress_bar()
     kind, folder = sys.argv[1], Path(sys.argv[2])
     if kind == "export":
         trainer, model, tokenizer = (
