@@ -90,8 +90,11 @@ def check_ranks(cfg: DictConfig, stage: str, settings: RolloutSettings | None = 
         )
 
 
-def check_rollout_backend(cfg: DictConfig, stage: str, settings: RolloutSettings) -> None:
-    """`vllm` loads a target from disk or the hub, with the vLLM of `<stage>.vllm_python`, before training starts."""
+def check_rollout_backend(cfg: DictConfig, stage: str, settings: RolloutSettings | None = None) -> None:
+    """`vllm` loads a target from disk or the hub, with the vLLM of `<stage>.vllm_python`, before training starts
+    (the settings are built here when not given: their own checks come first)."""
+    if settings is None:
+        settings = build_settings(cfg, stage)
     if settings.backend != "vllm":
         return
     alone = str(cfg.stage.name) == stage  # in a pipeline an earlier step (sft) may export the target it loads
