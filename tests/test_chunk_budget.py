@@ -25,7 +25,7 @@ def test_budget_sets_the_rows_per_chunk():
     assert auto_chunk_size(262, 1000, 1.0) is None  # 262 * 1000 * 4 bytes fit in 1 MiB
     assert auto_chunk_size(263, 1000, 1.0) == mib // 4000
     assert auto_chunk_size(10**6, 10**7, 1.0) == 1  # never zero rows
-    assert ForwardKL().rows_per_chunk(16 * 512, 49152) == DEFAULT_CHUNK_BUDGET_MB * mib // (49152 * 4) == 170
+    assert ForwardKL().rows_per_chunk(16 * 512, 49152) == DEFAULT_CHUNK_BUDGET_MB * mib // (49152 * 4) == 106
     assert ForwardKL(chunk_size=9).rows_per_chunk(10**6, 49152) == 9  # an explicit chunk wins
     assert ForwardKL(chunk_budget_mb=None).rows_per_chunk(10**6, 49152) is None
     with pytest.raises(ValueError, match="chunk_budget_mb"):

@@ -25,9 +25,10 @@ from specdistill.losses.rows import LogitRows
 
 DivergenceFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-# Default budget of one chunk's fp32 logits, in MiB: 170 rows at SmolLM2's 49152 vocabulary, 55 at Qwen2.5's 152064;
-# the tiny pair's largest batches (40 x 160 rows at V = 512, 13 MB) stay one chunk.
-DEFAULT_CHUNK_BUDGET_MB = 32.0
+# Default budget of one chunk's fp32 logits, in MiB: 106 rows at SmolLM2's 49152 vocabulary, 34 at Qwen2.5's 152064
+# (benchmarks/bench_loss_path.py: a chunk's peak is ~7 such tensors, so this keeps the loss path at ~0.1x of full
+# logits at both); the tiny pair's largest batches (40 x 160 rows at V = 512: 12.5 MiB) stay one chunk.
+DEFAULT_CHUNK_BUDGET_MB = 20.0
 _FP32_BYTES = 4
 
 
