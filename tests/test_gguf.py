@@ -182,3 +182,24 @@ def test_settings_checks_look_at_the_gguf_file_not_for_a_safetensors_folder(gguf
     cfg.models.target = {"pretrained_model_name_or_path": str(tmp_path), "gguf_file": "bad.gguf"}
     with pytest.raises(InputFileError, match="is not a GGUF file"):
         check_gguf_files(cfg)
+
+
+def test_a_pair_from_gguf_files_passes_the_settings_checks_and_builds_its_tokenizer(gguf_dir):
+    from hydra.utils import instantiate
+    from test_user_errors import validated
+
+    from tests.helpers import hydra_conf
+
+    folder, _ = gguf_dir
+    overrides = [
+        "stage=distill", "models=local", f"models.target_path={folder}", f"models.draft_path={folder}",
+        "+models.target.gguf_file=tiny.gguf", "+models.draft.gguf_file=tiny.gguf",
+        "+models.tokenizer.gguf_file=tiny.gguf",
+    ]  # fmt: skip
+    validated(*overrides)
+    with hydra_conf():
+        from hydra import compose
+
+        cfg = compose("train", overrides=overrides)
+    assert len(instantiate(cfg.models.tokenizer)) == len(TOKENS)
+    assert instantiate(cfg.models.target).gguf_file == "tiny.gguf"
