@@ -3,10 +3,11 @@
 At a real vocabulary the loss path, not the model bodies, sets the memory of a distillation step: the full-logits
 path materialises `(B, T, V)` logits of target and draft plus their fp32 softmax temporaries; the chunked path keeps
 answer hidden states and projects `--chunk-size` rows at a time under activation checkpointing
-(`specdistill.losses.chunked`). Models are scaled down (a few narrow layers) with the real vocabulary, so the loss
+(`specdistill.losses.chunked`); by default as many rows as the divergence's memory budget allows
+(`divergence.chunk_budget_mb`, `DEFAULT_CHUNK_BUDGET_MB`), what every preset trains with. Models are scaled down (a few narrow layers) with the real vocabulary, so the loss
 path dominates as it does at scale.
 
-    python benchmarks/bench_loss_path.py [--vocab 50000 152064] [--seq 2048 512] [--chunk-size 256] [--repeats 2]
+    python benchmarks/bench_loss_path.py [--vocab 50000 152064] [--seq 2048 512] [--chunk-size ROWS] [--repeats 2]
 
 The loss path is everything between the models' final hidden states and the loss, forward and backward (output
 layers, softmaxes, divergence, reduction); the bodies run once before it is measured, the draft's output as a leaf
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from specdistill.decoding.toy import tiny_gpt_neox
 from specdistill.losses import ForwardKL
 from specdistill.losses.answers import answer_mask
+from specdistill.losses.chunked import DEFAULT_CHUNK_BUDGET_MB
 from specdistill.losses.reduction import reduce_tokens, window_normaliser
 from specdistill.losses.rows import HiddenRows, OutputHead, final_hidden_states
 
@@ -66,7 +68,8 @@ def loss_path(
     """The distillation loss from both models' final hidden states `(B, T, H)`.
 
     full: what `answer_logits` did before (the output layer over every position, `(B, T, V)` logits, then the answer
-    rows), then `ForwardKL()`; chunked: `ForwardKL(chunk_size).rows` on the answer rows' hidden states.
+    rows), then `ForwardKL()`; chunked: `ForwardKL(chunk_size).rows` on the answer rows' hidden states (None: the
+    default budget's chunk).
     """
     keep = answer_mask(batch["labels"])
     if mode == "full":
@@ -91,7 +94,7 @@ def memory() -> tuple[int, int]:
     return values["VmRSS"], values["VmHWM"]
 
 
-def worker(mode: str, vocab: int, seq: int, chunk_size: int, repeats: int, grads_path: str) -> dict:
+def worker(mode: str, vocab: int, seq: int, chunk_size: int | None, repeats: int, grads_path: str) -> dict:
     torch.set_num_threads(1)
     target, draft, batch = build(vocab, seq)
     with torch.no_grad():
@@ -138,7 +141,9 @@ def main() -> None:
     parser.add_argument(
         "--seq", type=int, nargs="+", default=[2048, 512], help="one per --vocab (or one for all)"
     )
-    parser.add_argument("--chunk-size", type=int, default=256)
+    parser.add_argument(
+        "--chunk-size", type=int, default=None, help="rows per chunk; default: the divergence's memory budget"
+    )
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--worker", nargs=3, metavar=("MODE", "VOCAB", "SEQ"), help=argparse.SUPPRESS)
     parser.add_argument("--grads", help=argparse.SUPPRESS)
@@ -150,16 +155,17 @@ def main() -> None:
     seqs = args.seq * len(args.vocab) if len(args.seq) == 1 else args.seq
     if len(seqs) != len(args.vocab):
         parser.error("give one --seq, or one per --vocab")
-    print(
-        f"chunk_size {args.chunk_size}, {args.repeats} steps per mode, 1 thread, peak = RSS high-water of the step"
-    )
+    chunk = args.chunk_size or f"from the {DEFAULT_CHUNK_BUDGET_MB:g} MiB budget"
+    print(f"chunk_size {chunk}, {args.repeats} steps per mode, 1 thread, peak = RSS high-water of the step")
     with tempfile.TemporaryDirectory() as tmp:
         for vocab, seq in zip(args.vocab, seqs, strict=True):
             results, grads = {}, {}
             for mode in MODES:
                 path = str(Path(tmp) / f"{mode}.pt")
                 command = [sys.executable, __file__, "--worker", mode, str(vocab), str(seq), "--grads", path,
-                           "--chunk-size", str(args.chunk_size), "--repeats", str(args.repeats)]  # fmt: skip
+                           "--repeats", str(args.repeats)]  # fmt: skip
+                if args.chunk_size is not None:
+                    command += ["--chunk-size", str(args.chunk_size)]
                 out = subprocess.run(
                     command, capture_output=True, text=True, check=True, env=WORKER_ENV
                 ).stdout
@@ -170,7 +176,10 @@ def main() -> None:
                 ((grads["full"][n] - g).abs().max() / grads["full"][n].abs().max().clamp_min(1e-30)).item()
                 for n, g in grads["chunked"].items()
             )
-            print(f"\nV = {vocab}, T = {seq} ({full['tokens']} answer tokens)")
+            rows = ForwardKL(chunk_size=args.chunk_size).rows_per_chunk(full["tokens"], vocab)
+            print(
+                f"\nV = {vocab}, T = {seq} ({full['tokens']} answer tokens, {rows or 'all'} rows per chunk)"
+            )
             for mode in MODES:
                 r = results[mode]
                 print(f"  {mode:8s} peak {r['peak_bytes'] / 2**20:9.1f} MiB  {r['tokens_per_s']:9.0f} tokens/s  "

@@ -36,6 +36,7 @@ def validate_config(cfg: DictConfig) -> None:
     check_reference_given(cfg)
     for key, path in model_paths(cfg):
         check_model_source(key, path)
+    check_gguf_files(cfg)
     for key, path in input_dirs(cfg):
         if not Path(path).expanduser().exists():
             raise InputFileError(
@@ -240,6 +241,8 @@ def model_paths(cfg: DictConfig) -> Iterator[tuple[str, str]]:
     """(key, value) of every model a running stage loads by name: the pair's and the drafts' exports."""
     for role, node in (cfg.get("models") or {}).items():
         if isinstance(node, DictConfig) and node.get("pretrained_model_name_or_path"):
+            if node.get("gguf_file"):  # one GGUF file there, not a safetensors folder: check_gguf_files
+                continue
             yield f"models.{role}.pretrained_model_name_or_path", str(node.pretrained_model_name_or_path)
     for stage in running_stages(cfg):
         settings = cfg.get(stage)
@@ -250,6 +253,21 @@ def model_paths(cfg: DictConfig) -> Iterator[tuple[str, str]]:
                 yield f"{stage}.drafts.{name}", str(path)
         if settings.get("reference"):
             yield f"{stage}.reference", str(settings.reference)
+
+
+def check_gguf_files(cfg: DictConfig) -> None:
+    """Every local GGUF file a model or the tokenizer loads (`models.<role>.gguf_file`) exists and is GGUF, with the
+    `gguf` package installed; a hub repository's file is checked when it is downloaded, at load."""
+    from specdistill.models.loading import gguf_path
+
+    for node in (cfg.get("models") or {}).values():
+        if (
+            isinstance(node, DictConfig)
+            and node.get("gguf_file")
+            and node.get("pretrained_model_name_or_path")
+        ):
+            if is_local_path(str(node.pretrained_model_name_or_path)):
+                gguf_path(str(node.pretrained_model_name_or_path), str(node.gguf_file))
 
 
 def input_dirs(cfg: DictConfig) -> Iterator[tuple[str, str]]:

@@ -19,19 +19,20 @@ values. Argument order is always `(target_logits, draft_logits)`: p comes from t
 `chunked_divergence`, which bounds the fp32 `(N, V)` temporaries for large vocabularies and equals the plain
 computation (same rows, same maths, concatenated). `Divergence.rows(target_rows, draft_rows)` computes the same
 values from answer rows that are projected chunk by chunk (`specdistill.losses.rows`, `specdistill.losses.chunked`),
-so no model's full logits exist at once; it is what training, validation and scoring use.
+so no model's full logits exist at once; it is what training, validation and scoring use. Its chunk is
+`chunk_size` rows when set, else as many as `chunk_budget_mb` allows (`specdistill.losses.chunked.auto_chunk_size`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from specdistill.losses.chunked import DivergenceFn, rowwise
+from specdistill.losses.chunked import DEFAULT_CHUNK_BUDGET_MB, DivergenceFn, auto_chunk_size, rowwise
 from specdistill.losses.rows import LogitRows
 
 KERNELS = ("torch", "liger")  # how the training loss is computed (`Divergence.kernel`)
@@ -146,18 +147,26 @@ class Divergence:
 
     Attributes:
         chunk_size: keyword-only; if set, compute over row chunks of this many tokens (see `chunked_divergence`);
-            None (default) computes all rows at once.
+            None (default): `__call__` computes all rows at once, `rows` as many as `chunk_budget_mb` allows.
+        chunk_budget_mb: keyword-only; when `chunk_size` is None, the MiB of one chunk's fp32 `(n, V)` logits in
+            `rows` (`DEFAULT_CHUNK_BUDGET_MB`: a batch that fits is one chunk); None: all rows at once.
         kernel: keyword-only; how the training loss is computed: `torch` (default, `rows`) or `liger` (Liger
             Kernel's fused linear JSD on CUDA, `specdistill.losses.fused`). Values are the same; `kernel` and
             `chunk_size` change speed and memory only.
     """
 
     chunk_size: int | None = None
+    # Not in repr or equality: it changes memory, not values, and the reference scores' cache key is the repr.
+    chunk_budget_mb: float | None = field(default=DEFAULT_CHUNK_BUDGET_MB, repr=False, compare=False)
     kernel: str = "torch"
 
     def __post_init__(self) -> None:
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError(f"chunk_size must be None or a positive number of rows, got {self.chunk_size}")
+        if self.chunk_budget_mb is not None and not self.chunk_budget_mb > 0:
+            raise ValueError(
+                f"chunk_budget_mb must be None or a positive number of MiB, got {self.chunk_budget_mb}"
+            )
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {self.kernel!r}")
 
@@ -171,8 +180,15 @@ class Divergence:
 
     def rows(self, target_rows: Any, draft_rows: Any) -> torch.Tensor:
         """`(N,)` from answer rows (`specdistill.losses.rows`: hidden states and output layer, logits, or a cached
-        sparse target), projected `chunk_size` rows at a time (all at once if None) without full logits."""
-        return rowwise([self.per_token], target_rows, draft_rows, self.chunk_size)[0]
+        sparse target), projected `rows_per_chunk` rows at a time without full logits."""
+        return rowwise([self.per_token], target_rows, draft_rows, self.chunk_size, self.chunk_budget_mb)[0]
+
+    def rows_per_chunk(self, rows: int, vocab_size: int) -> int | None:
+        """The chunk `rows` uses for `rows` answer rows of `vocab_size` logits: `chunk_size` when set, else what
+        `chunk_budget_mb` allows; None means all rows at once."""
+        if self.chunk_size is not None:
+            return self.chunk_size
+        return auto_chunk_size(rows, vocab_size, self.chunk_budget_mb)
 
 
 @dataclass(frozen=True)

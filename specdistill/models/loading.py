@@ -1,4 +1,5 @@
-"""Loading Hugging Face causal LMs by hub id or local path, or building them from a config with random weights."""
+"""Loading Hugging Face causal LMs by hub id or local path (safetensors, or one GGUF file there), or building them from
+a config with random weights."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from specdistill.errors import InputFileError
+from specdistill.utils.extras import require
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +26,10 @@ class ModelSpec:
 
     Attributes:
         pretrained_model_name_or_path: hub id or local directory (a previous stage's export); None builds from `config`.
+        gguf_file: the name of a GGUF file inside `pretrained_model_name_or_path` (as transformers'
+            `from_pretrained(..., gguf_file=...)` takes it): the weights come from it, de-quantised to `dtype`
+            (llama.cpp's Q4/Q8 blocks become plain tensors), and the model exports as safetensors like any other.
+            Needs the `gguf` package (`pip install gguf`). None: the directory's safetensors.
         config: keyword arguments for `AutoConfig.for_model` (must hold `model_type`) when no checkpoint is given.
         dtype: weights dtype: float32, bfloat16 or float16.
         trust_remote_code: run the repository's own modelling code; off unless the user turns it on.
@@ -36,6 +42,7 @@ class ModelSpec:
     """
 
     pretrained_model_name_or_path: str | None = None
+    gguf_file: str | None = None
     config: dict[str, Any] | None = field(default=None)
     dtype: str = "float32"
     trust_remote_code: bool = False
@@ -58,6 +65,10 @@ class ModelSpec:
                 "device_map places a checkpoint across devices; a model built from a config has no checkpoint "
                 "(set pretrained_model_name_or_path, or drop device_map)."
             )
+        if self.gguf_file is not None and not self.is_pretrained:
+            raise ValueError(
+                "gguf_file names a file inside pretrained_model_name_or_path (a directory or hub id); set it too."
+            )
         if self.device_map is not None and not isinstance(self.device_map, str | dict):
             self.device_map = dict(self.device_map)  # a Hydra DictConfig
 
@@ -77,10 +88,12 @@ def load_model(spec: ModelSpec, vocab_size: int | None = None) -> PreTrainedMode
         spec: where the model comes from.
         vocab_size: the tokenizer's vocabulary size; a model built from a config gets it when its config has none.
     """
+    if spec.gguf_file is not None:
+        return load_gguf_model(spec)
     if spec.is_pretrained:
         path = spec.pretrained_model_name_or_path
         local = Path(path).expanduser()
-        if (path.startswith((".", "/", "~")) or local.exists()) and not (local / "config.json").is_file():
+        if is_local(path) and not (local / "config.json").is_file():
             raise InputFileError(
                 f"No Hugging Face model at {local}: expected a directory with config.json (a hub id or the "
                 "export directory of an earlier stage, e.g. <run_dir>/export)."
@@ -114,6 +127,75 @@ def load_model(spec: ModelSpec, vocab_size: int | None = None) -> PreTrainedMode
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(config, dtype=spec.torch_dtype)
     return model
+
+
+GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file (llama.cpp's gguf format)
+
+
+def is_local(path: str) -> bool:
+    """Whether `path` names a local directory (or file) rather than a hub id."""
+    return path.startswith((".", "/", "~")) or Path(path).expanduser().exists()
+
+
+def gguf_path(pretrained_model_name_or_path: str, gguf_file: str, revision: str | None = None) -> Path:
+    """The local path of `gguf_file` in a directory or hub repository (downloaded once into the hub cache), checked
+    to be a GGUF file by its magic bytes, with the `gguf` package installed.
+
+    Raises:
+        InputFileError: the file is missing or is not GGUF; ImportError: `gguf` is not installed.
+    """
+    require("gguf", "gguf_file (a model or tokenizer from a GGUF file)", "gguf")
+    if is_local(pretrained_model_name_or_path):
+        file = Path(pretrained_model_name_or_path).expanduser() / gguf_file
+        if not file.is_file():
+            raise InputFileError(
+                f"No GGUF file {gguf_file!r} in {file.parent}: gguf_file is a file name inside "
+                "pretrained_model_name_or_path (the directory that holds it)."
+            )
+    else:
+        from transformers.utils import cached_file
+
+        file = Path(cached_file(pretrained_model_name_or_path, gguf_file, revision=revision))
+    with file.open("rb") as handle:
+        magic = handle.read(len(GGUF_MAGIC))
+    if magic != GGUF_MAGIC:
+        raise InputFileError(
+            f"{file} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r}). Pass a llama.cpp .gguf "
+            "file as gguf_file, or drop gguf_file to load the directory's safetensors."
+        )
+    return file
+
+
+def load_gguf_model(spec: ModelSpec) -> PreTrainedModel:
+    """The causal LM in `spec.gguf_file`, de-quantised into plain `spec.dtype` tensors.
+
+    transformers records a GGUF load as a quantization (and then refuses `save_pretrained`) even once every
+    weight is a plain tensor; the weights are dense here, so its own `remove_quantization_config` makes the model
+    an ordinary one that exports as safetensors and loads back with the same weights.
+    """
+    file = gguf_path(spec.pretrained_model_name_or_path, spec.gguf_file, spec.revision)
+    log.info("loading %s (GGUF, de-quantised to %s)", file, spec.dtype)
+    options: dict[str, Any] = {}
+    try:  # newer transformers can keep GGUF blocks packed; training and export need dense weights
+        from transformers import GgufConfig
+
+        options["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:  # older transformers always de-quantise GGUF weights
+        pass
+    if spec.device_map is not None:
+        _check_accelerate()
+        options["device_map"] = spec.device_map
+    model = AutoModelForCausalLM.from_pretrained(
+        str(file.parent),
+        gguf_file=file.name,
+        dtype=spec.torch_dtype,
+        trust_remote_code=spec.trust_remote_code,
+        **options,
+    )
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    return materialize_cpu_weights(model)
 
 
 def _check_accelerate() -> None:

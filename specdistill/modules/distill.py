@@ -266,6 +266,7 @@ class DistillModule(LightningModule):
             rows.target,
             rows.draft,
             self.divergence.chunk_size,
+            self.divergence.chunk_budget_mb,
         )
         # batch_size = answer tokens, so the epoch value is the mean per answer token, not per batch.
         log = functools.partial(self.log, batch_size=num_tokens, sync_dist=True, on_epoch=True, on_step=False)
