@@ -55,21 +55,20 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         prompts = _prompts(cfg, settings, tokenizer)
         given = _vllm_responses(cfg, settings, prompts, sampling, tokenizer.eos_token_id, out_dir)
     tokenizer, target, loaded, vocab_size = load_frozen_target_and_drafts(cfg, drafts, device)
-    # teacher-forced labels need the draft's own distributions: the loaded models themselves
-    models = {name: draft.model for name, draft in loaded.items()}
     if prompts is None:
         prompts = _prompts(cfg, settings, tokenizer)
     rollouts, metrics = {}, {}
-    for name, draft in models.items():
+    for name, draft in loaded.items():
         directory = out_dir / "rollouts" / name
+        # teacher-forced labels need the draft's own distributions: its kind's pass over the loaded model
         dataset = run_rollouts(
-            target, draft, prompts, directory, sampling=sampling, max_new_tokens=settings.max_new_tokens,
+            target, draft.model, prompts, directory, sampling=sampling, max_new_tokens=settings.max_new_tokens,
             batch_size=settings.batch_size, shard_size=settings.shard_size, seed=cfg.seed, vocab_size=vocab_size,
             label_temperature_one=settings.label_temperature_one, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
             # the target's responses do not depend on the draft: generate them once, label them for each draft
             responses_from=next(iter(rollouts.values()), None) if given is None else None, ranks=ranks,
-            responses=given,
+            responses=given, kind=draft.kind,
         )  # fmt: skip
         rollouts[name] = str(directory)
         labels = [a for row in dataset["labels"] for a in row]
