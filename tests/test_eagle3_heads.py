@@ -4,12 +4,24 @@ on the EAGLE layer's output after the final norm."""
 
 from __future__ import annotations
 
+from functools import partial
+
+import lightning as L
+import pytest
 import torch
 
+from specdistill.decoding.engine import SpeculativeDecoder, autoregressive
+from specdistill.decoding.head_policy import AcceptanceHeadPolicy
+from specdistill.decoding.proposers import Eagle3Proposer
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.drafts.eagle3 import Eagle3
+from specdistill.head_data import HiddenCache, RolloutDataModule
+from specdistill.head_data.inputs import judged_head_inputs
+from specdistill.models.acceptance_head import AcceptanceHead
+from specdistill.modules.acceptance_head import AcceptanceHeadModule
 from specdistill.rollout.run import run_rollouts
 from tests.test_eagle3 import AUX, V, fused_states, tiny_head, tiny_target
+from tests.test_engine import GREEDY
 from tests.threads import one_thread_per_module  # noqa: F401  (autouse fixture)
 
 SAMPLING = SamplingConfig(temperature=1.0)
@@ -62,3 +74,87 @@ def test_rollouts_label_the_heads_own_drafts_with_min_one_p_over_q(tmp_path):
         torch.testing.assert_close(labels, expected, atol=2e-5, rtol=1e-4)
         drafted += len(tokens)
     assert drafted >= 20
+
+
+def test_head_inputs_are_the_eagle_layer_output_after_the_final_norm():
+    """Candidate inputs at position t: EAGLE position t - 1's normed output (it read token t and proposes t + 1);
+    proposer inputs: the state that proposed Y_i with q(Y_i) on target ids, q = 0 outside the draft vocabulary."""
+    target = tiny_target("llama")
+    head = tiny_head(target)
+    ids = torch.tensor([[5, 7, 9, 11, 2, 4], [3, 8, 6, 1, 0, 0]])
+    mask = torch.tensor([[1] * 6, [1, 1, 1, 1, 0, 0]])
+    keep = torch.zeros(2, 6, dtype=torch.bool)
+    keep[0, 2:] = keep[1, 2:4] = True
+    drafted = head.target_ids[torch.arange(12) % head.config.draft_vocab_size].view(2, 6)
+    drafted[1, 3] = int((~head.t2d).nonzero()[0])  # a token the head cannot draft: q = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "loss_mask": keep, "draft_tokens": drafted}
+    kind, greedy = Eagle3(aux_layer_ids=list(AUX)), SamplingConfig(greedy=True)
+    candidate = judged_head_inputs(head, batch, "candidate", greedy, kind, target)
+    with torch.no_grad():
+        normed = head.unroll(fused_states(target, ids), ids, mask, 1)[0].normed
+    rows, cols = keep.nonzero(as_tuple=True)
+    torch.testing.assert_close(candidate, normed[rows, cols - 1])
+    sampling = SamplingConfig(temperature=0.7)
+    proposer = judged_head_inputs(head, batch, "proposer", sampling, kind, target)
+    q = torch.zeros(len(rows), V)
+    q[:, head.target_ids] = torch.softmax(head.lm_head(normed[rows, cols - 1]) / 0.7, dim=-1)
+    expected = q.gather(-1, drafted[keep][:, None])
+    torch.testing.assert_close(proposer, torch.cat([normed[rows, cols - 1], expected], dim=-1))
+    assert proposer[-1, -1] == 0
+    with pytest.raises(ValueError, match="target"):
+        judged_head_inputs(head, batch, "candidate", greedy, kind, None)
+
+
+def _head_module(head, kind, target, hidden_cache=None):
+    torch.manual_seed(0)
+    return AcceptanceHeadModule(
+        head=AcceptanceHead(head.config.hidden_size, 2), draft=None if hidden_cache else head,
+        optimizer=partial(torch.optim.AdamW, lr=1e-2), cache_hidden_states=hidden_cache is not None,
+        hidden_cache=hidden_cache, draft_kind=kind, target=target,
+    )  # fmt: skip
+
+
+def _trainer(root, **kwargs) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=str(root),
+                     enable_checkpointing=False, **kwargs)  # fmt: skip
+
+
+def test_an_acceptance_head_trains_on_the_heads_rollouts_and_decoding_stays_lossless(tmp_path):
+    target = tiny_target("llama")
+    head = tiny_head(target)
+    kind = Eagle3(aux_layer_ids=list(AUX))
+    _rollouts(tmp_path, target, head, _prompts(12, seed=1))
+    rollouts = tmp_path / "rollouts"
+
+    def data(cache=None):
+        return RolloutDataModule(str(rollouts), batch_size=4, mixing_ratio=0.15, val_fraction=0.25, seed=0,
+                                 pad_token_id=0, hidden_cache=cache)  # fmt: skip
+
+    module = _head_module(head, kind, target)
+    before = _trainer(tmp_path).validate(module, datamodule=data(), verbose=False)[0]
+    trainer = _trainer(tmp_path, max_steps=15, check_val_every_n_epoch=1000)
+    trainer.fit(module, datamodule=data())
+    after = trainer.validate(module, datamodule=data(), verbose=False)[0]
+    assert after["val/head_bce"] < before["val/head_bce"]
+    assert all(not p.requires_grad for p in [*head.parameters(), *target.parameters()])
+    # the hidden cache holds what running the head gives (its key records the target's weights)
+    cache = HiddenCache(head, rollouts, tmp_path / "cache", seed=0, batch_size=4, pad_token_id=0,
+                        dtype="float32", kind=kind, target=target)  # fmt: skip
+    assert "target_weights" in cache.key
+    cached = _head_module(head, kind, target, hidden_cache=cache)
+    live = _trainer(tmp_path).validate(_head_module(head, kind, target), datamodule=data(), verbose=False)[0]
+    on_cache = _trainer(tmp_path).validate(cached, datamodule=data(cache), verbose=False)[0]
+    for key, value in live.items():
+        assert on_cache[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    with pytest.raises(ValueError, match="target"):
+        _head_module(head, kind, None)
+    # paired with the EAGLE-3 proposer, the trained head stops drafts and greedy decoding stays the target's
+    proposer = Eagle3Proposer(head, V)
+    policy = AcceptanceHeadPolicy(module.head.eval(), threshold=0.5, min_draft_length=1)
+    prompts = _prompts(3, seed=2)
+    references = [autoregressive(target, p, 16, GREEDY, None, V).tokens for p in prompts]
+    decoder = SpeculativeDecoder(target, proposer, policy, GREEDY, None, V, max_draft_length=4)
+    results = [decoder.generate(p, 16) for p in prompts]
+    assert [r.tokens for r in results] == references
+    assert sum(r.stats.drafted_tokens for r in results) > 0

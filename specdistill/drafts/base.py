@@ -132,6 +132,8 @@ class DraftKind:
     """
 
     target_layers: tuple[int, ...] = ()
+    # whether the draft reads the target's hidden states: stages then load the target beside it
+    reads_target: bool = False
 
     def specs(self, role: str) -> dict[str, ModelSpec]:
         """The checkpoints this kind loads its draft from, by role name (their tokenizers are checked against the

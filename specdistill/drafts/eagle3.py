@@ -101,6 +101,8 @@ class Eagle3(DraftKind):
         norm_before_residual: the head's residual is the normed input (SpecForge's option); exported as stated.
     """
 
+    reads_target = True
+
     def __init__(
         self,
         draft_vocab_size: int = 32000,
