@@ -4,6 +4,7 @@ on the EAGLE layer's output after the final norm."""
 
 from __future__ import annotations
 
+import json
 from functools import partial
 
 import lightning as L
@@ -20,6 +21,7 @@ from specdistill.head_data.inputs import judged_head_inputs
 from specdistill.models.acceptance_head import AcceptanceHead
 from specdistill.modules.acceptance_head import AcceptanceHeadModule
 from specdistill.rollout.run import run_rollouts
+from tests.helpers import TINY, check_ok, run_train, stage_overrides
 from tests.test_eagle3 import AUX, V, fused_states, tiny_head, tiny_target
 from tests.test_engine import GREEDY
 from tests.threads import one_thread_per_module  # noqa: F401  (autouse fixture)
@@ -158,3 +160,40 @@ def test_an_acceptance_head_trains_on_the_heads_rollouts_and_decoding_stays_loss
     results = [decoder.generate(p, 16) for p in prompts]
     assert [r.tokens for r in results] == references
     assert sum(r.stats.drafted_tokens for r in results) > 0
+
+
+@pytest.mark.slow
+def test_train_py_rolls_out_trains_a_head_and_evaluates_it_with_the_eagle3_draft(tmp_path):
+    """distill (draft=eagle3) -> rollout -> acceptance_head -> evaluate with the head, all through train.py: the
+    rollouts label the head's drafts, the acceptance head trains on them, and the evaluated entries (fixed K and the
+    head's stopping rule) decode the target's greedy output token for token."""
+    pair = [*TINY, "models.target.config.num_hidden_layers=4"]
+    runs = {stage: tmp_path / stage for stage in ("distill", "rollout", "acceptance_head", "evaluate")}
+    check_ok(run_train(["stage=distill", *pair, "draft=eagle3", "draft.draft_vocab_size=128", "draft.ttt_steps=2",
+                        "draft.aux_layer_ids=[0,1,3]", *stage_overrides("distill", 2),
+                        f"hydra.run.dir={runs['distill']}"]))  # fmt: skip
+    export = runs["distill"] / "export"
+    check_ok(run_train(["stage=rollout", *pair, f"+rollout.drafts.eagle={export}", "rollout.num_prompts=8",
+                        "rollout.max_new_tokens=8", "rollout.batch_size=4", "rollout.shard_size=4",
+                        "sampling.greedy=false",  # soft labels (greedy ones of a barely trained head may all be 0)
+                        f"hydra.run.dir={runs['rollout']}"]))  # fmt: skip
+    rollout = json.loads((runs["rollout"] / "result.json").read_text())
+    assert 0 < rollout["eagle/mean_acceptance_label"] <= 1
+    check_ok(run_train(["stage=acceptance_head", *pair, f"+acceptance_head.drafts.eagle={export}",
+                        f"+acceptance_head.rollouts.eagle={runs['rollout'] / 'rollouts' / 'eagle'}",
+                        *stage_overrides("acceptance_head", 3), f"hydra.run.dir={runs['acceptance_head']}"]))  # fmt: skip
+    heads = json.loads((runs["acceptance_head"] / "result.json").read_text())["heads"]
+    check_ok(run_train(["stage=evaluate", *pair, f"+evaluate.drafts.eagle={export}",
+                        f"+evaluate.heads.eagle={heads['eagle']}", "evaluate.num_prompts=2",
+                        "evaluate.selection_prompts=2", "evaluate.max_new_tokens=8", "evaluate.fixed_lengths=[2]",
+                        "evaluate.acceptance_head.thresholds=[0.5]", "evaluate.acceptance_head.min_draft_length=1",
+                        f"hydra.run.dir={runs['evaluate']}"]))  # fmt: skip
+    report = json.loads((runs["evaluate"] / "report.json").read_text())
+    names = [e["name"] for e in report["entries"]]
+    rows = [json.loads(line) for line in (runs["evaluate"] / "outputs.jsonl").read_text().splitlines()]
+    by_name: dict[str, dict[int, list[int]]] = {}
+    for row in rows:
+        by_name.setdefault(row["name"], {})[row["example_id"]] = row["tokens"]
+    baseline = by_name.pop(names[0])  # entry 0 is the autoregressive target
+    assert any("head" in name for name in by_name), names
+    assert baseline and all(outputs == baseline for outputs in by_name.values())

@@ -14,8 +14,10 @@
 - `export`: the layout vLLM and SGLang load (`config.json` with `architectures: ["LlamaForCausalLMEagle3"]`,
   `model.safetensors` with `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`, no embeddings), the tokenizer,
   `specdistill.json` and `draft_kind.json`.
-- `load`: needs the loaded target (`load_draft(..., target=...)`, which evaluate and rollout pass), whose input
-  embeddings the head attaches; `proposer`: an `Eagle3Proposer`.
+- `load`: needs the loaded target (`load_draft(..., target=...)`, which evaluate, rollout and acceptance_head
+  pass), whose input embeddings the head attaches; `proposer`: an `Eagle3Proposer`.
+- `teacher_forced`: SpecDec++ on the head (rollout labels, acceptance-head inputs): the unroll's step 0 over the
+  target's states, the state after the final norm and the logits on target ids (`-inf` outside the draft vocabulary).
 
 Index convention: `aux_layer_ids` are indices into the target's `output_hidden_states` (the state entering decoder
 layer `i`), the same numbers as vLLM's `eagle_aux_hidden_state_layer_ids` (see `specdistill.models.eagle3`).
@@ -265,8 +267,7 @@ class Eagle3(DraftKind):
         if target is None:
             raise ValueError(
                 f"{path} is an EAGLE-3 head, which drafts on the target's embeddings and hidden states: load it "
-                "with the target (load_draft(path, vocab_size, target=target)); stages without a target "
-                "(acceptance_head) cannot use it yet"
+                "with the target (load_draft(path, vocab_size, target=target))"
             )
         config = config_from_export(path)
         head = Eagle3Head(config)

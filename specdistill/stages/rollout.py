@@ -1,8 +1,9 @@
 """Stage `rollout`: label draft tokens with their acceptance probability under the target (SpecDec++ data).
 
 For every draft in `rollout.drafts` (name -> export path; default the pair's draft) the target samples a response to
-each training prompt, one teacher-forced draft pass samples a draft token at every position, and each gets the soft
-label min(1, p/q) under the decoding warping (`sampling`, docs/METHODS.md section 4). Rollouts are written in shards:
+each training prompt, one teacher-forced draft pass (the draft's kind's, `DraftKind.teacher_forced`: an EAGLE-3 head
+reads the target's states) samples a draft token at every position, and each gets the soft label min(1, p/q) under
+the decoding warping (`sampling`, docs/METHODS.md section 4). Rollouts are written in shards:
 re-launching the same run resumes where it stopped.
 
 `rollout.devices` processes per node on `rollout.num_nodes` nodes share the shards (`specdistill.rollout.ranks`):
