@@ -14,7 +14,15 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from torch import nn
 
-from specdistill.drafts.base import KIND_FILE, DraftKind, LoadedDraft, TargetPass, TrainingRows, target_pass
+from specdistill.drafts.base import (
+    KIND_FILE,
+    DraftKind,
+    DraftStates,
+    LoadedDraft,
+    TargetPass,
+    TrainingRows,
+    target_pass,
+)
 from specdistill.drafts.standalone import Standalone
 from specdistill.errors import InputFileError
 from specdistill.models.loading import ModelSpec
@@ -22,6 +30,7 @@ from specdistill.models.loading import ModelSpec
 __all__ = [
     "KIND_FILE",
     "DraftKind",
+    "DraftStates",
     "LoadedDraft",
     "Standalone",
     "TargetPass",

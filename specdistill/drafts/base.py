@@ -12,7 +12,7 @@ class as `_target_`. `specdistill.drafts.load_draft` builds the kind back from t
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from specdistill.export.hf import export_pretrained
-from specdistill.losses.rows import HiddenRows, OutputHead, answer_rows
+from specdistill.losses.rows import HiddenRows, OutputHead, answer_rows, final_hidden_states
 from specdistill.losses.sparse import SparseRows
 from specdistill.models.loading import ModelSpec, load_model
 from specdistill.models.vocab import check_model_covers_vocab
@@ -64,6 +64,21 @@ class TrainingRows:
     answer_index: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class DraftStates:
+    """A draft's teacher-forced states over whole sequences (`DraftKind.teacher_forced`).
+
+    Attributes:
+        hidden: `(B, T, H)` the state that proposes token `t + 1` at position `t` (after the draft's final norm):
+            what an acceptance head reads and what `head` projects.
+        head: `(..., H) -> (..., V)` the draft's logits over the target's vocabulary (`V`: the `vocab_size` asked
+            for, or every output row when None); a token the draft cannot propose gets `-inf`.
+    """
+
+    hidden: torch.Tensor
+    head: Callable[[torch.Tensor], torch.Tensor]
+
+
 def target_pass(
     target: nn.Module,
     batch: Mapping[str, Any],
@@ -82,6 +97,16 @@ def target_pass(
     """
     if not layers:
         return TargetPass(answer_rows(target, batch, keep, vocab_size))
+    last, states = target_states(target, batch, layers)
+    rows = HiddenRows(last[:, :-1][keep], OutputHead(target, vocab_size))
+    return TargetPass(rows, states)
+
+
+def target_states(
+    target: nn.Module, batch: Mapping[str, Any], layers: Sequence[int]
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """`(last, states)`: the target body's `(B, T, H)` last hidden state and its `(B, T, H)` hidden states at
+    `layers` (`output_hidden_states` indices), from one pass over `batch` (`input_ids`, `attention_mask`)."""
     body = getattr(target, "base_model", target)
     out = body(
         input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True
@@ -93,8 +118,7 @@ def target_pass(
             f"the draft kind asks for target layers {missing}, but the target gives {len(states)} hidden states "
             f"(embeddings and {len(states) - 1} layers)"
         )
-    rows = HiddenRows(out.last_hidden_state[:, :-1][keep], OutputHead(target, vocab_size))
-    return TargetPass(rows, {layer: states[layer] for layer in layers})
+    return out.last_hidden_state, {layer: states[layer] for layer in layers}
 
 
 class DraftKind:
@@ -108,6 +132,8 @@ class DraftKind:
     """
 
     target_layers: tuple[int, ...] = ()
+    # whether the draft reads the target's hidden states: stages then load the target beside it
+    reads_target: bool = False
 
     def specs(self, role: str) -> dict[str, ModelSpec]:
         """The checkpoints this kind loads its draft from, by role name (their tokenizers are checked against the
@@ -156,6 +182,25 @@ class DraftKind:
         token with weight 1. A kind that trains on more rows per answer token (EAGLE-3's unrolled steps, each with
         its weight) or on other columns overrides it; the arguments are those of `rows`."""
         return TrainingRows(target.rows, self.rows(draft, batch, keep, target, vocab_size))
+
+    def teacher_forced(
+        self,
+        draft: nn.Module,
+        target: nn.Module | None,
+        batch: Mapping[str, Any],
+        vocab_size: int | None,
+    ) -> DraftStates:
+        """The draft's states and output layer over `batch` under teacher forcing (no gradients needed), what
+        rollout labels (`specdistill.rollout.generate`) and acceptance-head inputs (`specdistill.head_data`) read; by
+        default the causal LM's own body (`final_hidden_states`) and output layer (`OutputHead`).
+
+        Args:
+            draft: the model `build` (or `load`) returned.
+            target: the frozen target, for kinds that read its hidden states (None is fine for a causal LM).
+            batch: holds `input_ids` and `attention_mask`, both `(B, T)`, right-padded.
+            vocab_size: the tokenizer's real vocabulary (the head drops padded output rows), or None for every row.
+        """
+        return DraftStates(final_hidden_states(draft, batch), OutputHead(draft, vocab_size))
 
     def prepare(self, draft: nn.Module, data: Any) -> None:
         """Called once by a training stage after its data module is built, before training: a kind that derives

@@ -14,8 +14,10 @@
 - `export`: the layout vLLM and SGLang load (`config.json` with `architectures: ["LlamaForCausalLMEagle3"]`,
   `model.safetensors` with `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`, no embeddings), the tokenizer,
   `specdistill.json` and `draft_kind.json`.
-- `load`: needs the loaded target (`load_draft(..., target=...)`, which evaluate and rollout pass), whose input
-  embeddings the head attaches; `proposer`: an `Eagle3Proposer`.
+- `load`: needs the loaded target (`load_draft(..., target=...)`, which evaluate, rollout and acceptance_head
+  pass), whose input embeddings the head attaches; `proposer`: an `Eagle3Proposer`.
+- `teacher_forced`: SpecDec++ on the head (rollout labels, acceptance-head inputs): the unroll's step 0 over the
+  target's states, the state after the final norm and the logits on target ids (`-inf` outside the draft vocabulary).
 
 Index convention: `aux_layer_ids` are indices into the target's `output_hidden_states` (the state entering decoder
 layer `i`), the same numbers as vLLM's `eagle_aux_hidden_state_layer_ids` (see `specdistill.models.eagle3`).
@@ -35,7 +37,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from specdistill.decoding.proposers.eagle3 import Eagle3Proposer
-from specdistill.drafts.base import DraftKind, TargetPass, TrainingRows
+from specdistill.drafts.base import DraftKind, DraftStates, TargetPass, TrainingRows, target_states
 from specdistill.errors import ConfigError, InputFileError
 from specdistill.export.hf import umask_modes
 from specdistill.losses.rows import HiddenRows
@@ -69,6 +71,27 @@ class ProjectedHead:
         return logits if self.columns is None else logits[..., self.columns]
 
 
+class TargetVocabularyHead:
+    """An EAGLE-3 head's output layer on the target's ids: `(..., H) -> (..., vocab_size)`, draft id `i` at target
+    id `i + d2t[i]`, `-inf` at every other target id (`vocab_size` None: the head's whole target vocabulary)."""
+
+    def __init__(self, head: Eagle3Head, vocab_size: int | None = None) -> None:
+        self.head = head
+        self.vocab_size = head.config.vocab_size if vocab_size is None else vocab_size
+        self.target_ids = head.target_ids
+        if int(self.target_ids.max()) >= self.vocab_size:
+            raise ValueError(
+                f"the EAGLE-3 head's draft vocabulary names target ids up to {int(self.target_ids.max())}, outside "
+                f"the tokenizer's {self.vocab_size} tokens: build the draft vocabulary from this tokenizer's data"
+            )
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        draft = self.head.lm_head(hidden)
+        logits = draft.new_full((*draft.shape[:-1], self.vocab_size), float("-inf"))
+        logits[..., self.target_ids] = draft
+        return logits
+
+
 class Eagle3(DraftKind):
     """The draft is an EAGLE-3 head (`conf/draft/eagle3.yaml`).
 
@@ -79,6 +102,8 @@ class Eagle3(DraftKind):
         step_weight: loss weight ratio between consecutive steps (step `j` weighs `step_weight ** j`).
         norm_before_residual: the head's residual is the normed input (SpecForge's option); exported as stated.
     """
+
+    reads_target = True
 
     def __init__(
         self,
@@ -186,6 +211,30 @@ class Eagle3(DraftKind):
             answer_index=answer_index,
         )
 
+    @torch.no_grad()
+    def teacher_forced(
+        self,
+        draft: nn.Module,
+        target: nn.Module | None,
+        batch: Mapping[str, Any],
+        vocab_size: int | None,
+    ) -> DraftStates:
+        """The unroll's step 0 over the target's states of `batch`: the state at position `t` is EAGLE position
+        `t - 1` after the final norm (it read the target's states of `t - 1` and token `t`, and proposes token
+        `t + 1`, as the decoding proposer's real-state positions do); position 0 has no target state before it and
+        holds zeros. The head's logits are on the target's ids, `-inf` outside the draft vocabulary (such a token
+        cannot be drafted)."""
+        if target is None:
+            raise ValueError(
+                "an EAGLE-3 head drafts from the target's hidden states: pass the target to teacher_forced"
+            )
+        layers = draft.config.aux_layer_ids
+        _, states = target_states(target, batch, layers)
+        features = torch.cat([states[i] for i in layers], dim=-1)
+        step = draft.unroll(features, batch["input_ids"], batch["attention_mask"], 1)[0]
+        hidden = torch.cat([torch.zeros_like(step.normed[:, :1]), step.normed[:, :-1]], dim=1)
+        return DraftStates(hidden, TargetVocabularyHead(draft, vocab_size))
+
     # -- export and loading
 
     def export(
@@ -218,8 +267,7 @@ class Eagle3(DraftKind):
         if target is None:
             raise ValueError(
                 f"{path} is an EAGLE-3 head, which drafts on the target's embeddings and hidden states: load it "
-                "with the target (load_draft(path, vocab_size, target=target)); stages without a target "
-                "(acceptance_head) cannot use it yet"
+                "with the target (load_draft(path, vocab_size, target=target))"
             )
         config = config_from_export(path)
         head = Eagle3Head(config)

@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader
 from specdistill.caches.fit_start import FitStart, FitStartCache
 from specdistill.caches.store import SharedPass, build_or_reuse, load_tables, read_key
 from specdistill.decoding.sampling import SamplingConfig
+from specdistill.drafts.base import DraftKind
 from specdistill.head_data.collate import RolloutCollator
 from specdistill.head_data.inputs import judged_head_inputs
 from specdistill.models.acceptance_head import NUM_DRAFT_FEATURES
@@ -66,6 +67,10 @@ class HiddenCache(FitStartCache):
         dtype: storage dtype of the hidden states: float16 or float32.
         head_input: `"candidate"` or `"proposer"` (`specdistill.models.acceptance_head`).
         sampling: decoding settings whose `policy_probs` a proposer head reads (default: greedy).
+        kind: the draft's kind, whose teacher-forced pass gives the head inputs (default `DraftKind()`, a causal
+            LM; `specdistill.head_data.judged_head_inputs`).
+        target: the frozen target (or its `Frozen` holder), needed when the kind reads its hidden states
+            (`DraftKind.reads_target`: an EAGLE-3 head); its weights are then part of the key.
     """
 
     def __init__(
@@ -81,6 +86,8 @@ class HiddenCache(FitStartCache):
         dtype: str = "float16",
         head_input: str = "candidate",
         sampling: SamplingConfig | None = None,
+        kind: DraftKind | None = None,
+        target: nn.Module | Frozen | None = None,
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}.")
@@ -97,6 +104,8 @@ class HiddenCache(FitStartCache):
             dtype,
             head_input,
             sampling or SamplingConfig(greedy=True),
+            kind or DraftKind(),
+            None if target is None or isinstance(target, Frozen) else Frozen(target),
         )
         self.key = self._pass.key()
         self._dataset: datasets.Dataset | None = None
@@ -130,7 +139,8 @@ class HiddenCache(FitStartCache):
 class _HiddenPass(SharedPass):
     """The hidden cache as a `SharedPass`: one table per shard of rollouts, the head inputs of each rollout.
 
-    `draft` is the model, or its `Frozen` holder, placed on `trainer`'s devices only when the pass runs."""
+    `draft` (and `target`, for a kind that reads it) are held `Frozen`, placed on `trainer`'s devices only when the
+    pass runs."""
 
     key_file = KEY_FILE
     resumable = True
@@ -148,8 +158,16 @@ class _HiddenPass(SharedPass):
         dtype: str,
         head_input: str,
         sampling: SamplingConfig,
+        kind: DraftKind,
+        target: Frozen | None,
     ) -> None:
+        if kind.reads_target and target is None:
+            raise ValueError(
+                "this draft reads the target's hidden states (an EAGLE-3 head): give the target to HiddenCache "
+                "(target=...)"
+            )
         self.path, self.draft, self.trainer = path, draft, None
+        self.kind, self.target = kind, target if kind.reads_target else None
         self.rollouts = load_rollouts(rollout_dir)
         self.rollout_settings = read_settings(rollout_dir)
         self.batch_size, self.shard_size, self.dtype, self.sampling = batch_size, shard_size, dtype, sampling
@@ -174,6 +192,8 @@ class _HiddenPass(SharedPass):
             "rollouts_fingerprint": self.rollouts._fingerprint,  # the stored rollouts themselves
             "draft_weights": digest_of(draft),  # before a ZeRO-3 placement partitions the weights
         }
+        if self.target is not None:  # the head inputs are the draft's reading of the target's states
+            self._key.update(draft_kind=kind.record(), target_weights=digest_of(self.target))
 
     def key(self) -> dict[str, Any]:
         return self._key
@@ -189,6 +209,7 @@ class _HiddenPass(SharedPass):
     def compute(self, name: str, rank: int, world_size: int) -> datasets.Dataset:
         draft = placed(self.draft, self.trainer)
         draft.eval()
+        target = None if self.target is None else placed(self.target, self.trainer).eval()
         device = next(draft.parameters()).device
         start = int(name.rsplit("_", 1)[1]) * self.shard_size
         rows = self.rollouts.select(range(start, start + self.sizes()[name]))
@@ -197,7 +218,9 @@ class _HiddenPass(SharedPass):
         loader = DataLoader(rows, batch_size=self.batch_size, collate_fn=self.collate)
         for batch, counts in batches_of_rank(loader, rank, world_size):
             on_device = {key: value.to(device) for key, value in batch.items()}
-            inputs = judged_head_inputs(draft, on_device, self.head_input, self.sampling).float()
+            inputs = judged_head_inputs(
+                draft, on_device, self.head_input, self.sampling, self.kind, target
+            ).float()
             if not counts:  # kept in step with the other ranks (ZeRO-3 gathers are collective); discarded
                 continue
             per_example = inputs.split(batch["loss_mask"].sum(1).tolist())

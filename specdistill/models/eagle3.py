@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,9 @@ class Eagle3Config:
         norm_before_residual: the residual is `hidden_norm(hidden)` instead of `hidden` (SpecForge's option).
         initializer_range: std of the normal initialisation of the linear layers.
     """
+
+    # what an acceptance head records of the draft it reads (`specdistill.models.draft_identity.describe_draft`)
+    model_type: ClassVar[str] = "eagle3"
 
     hidden_size: int
     target_hidden_size: int

@@ -117,8 +117,12 @@ def logits_at(
         `(N, vocab_size)` with N = `positions.sum()`, rows in row-major order of `positions`: what
         `model(**batch).logits[positions][:, :vocab_size]` gives.
     """
-    head = OutputHead(model, vocab_size)
-    hidden = final_hidden_states(model, batch)
+    return project_at(OutputHead(model, vocab_size), final_hidden_states(model, batch), positions)
+
+
+def project_at(head: Any, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`head`'s logits `(N, V)` of the `(B, T, H)` states `hidden` at the `(B, T)` bool `positions` (row-major),
+    projected with filler rows as `logits_at` does (so that they round as a full forward's)."""
     positions = positions.to(hidden.device)
     projected = _with_filler(positions, MIN_PROJECTED_ROWS)
     return head(hidden[projected])[positions[projected]]

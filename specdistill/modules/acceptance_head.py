@@ -22,6 +22,7 @@ from torch import nn
 
 from specdistill.caches import FitStart, prepare_caches
 from specdistill.decoding.sampling import SamplingConfig
+from specdistill.drafts.base import DraftKind
 from specdistill.head_data.hidden_cache import HiddenCache
 from specdistill.head_data.inputs import judged_head_inputs
 from specdistill.losses.head_bce import (
@@ -60,6 +61,10 @@ class AcceptanceHeadModule(LightningModule):
         hidden_cache: a `HiddenCache` (with `cache_hidden_states=True`) built at fit or validation start, before
             the datamodule reads its rows (give the `RolloutDataModule` the same object); None when the cache is
             built already (`hidden_cache_dir`) or not used.
+        draft_kind: the draft's kind, whose teacher-forced pass gives the head inputs (default `DraftKind()`, a
+            causal LM).
+        target: the frozen target, for a kind that reads its hidden states (`DraftKind.reads_target`: an EAGLE-3
+            head) when the draft runs every step; kept out of checkpoints like the draft.
 
     Validation logs `val/head_bce` (the weighted loss over the whole split), `val/binary_kl`, `val/auroc_rejection`
     and `val/ece`, and writes `reliability_diagram.png` into the trainer's log directory.
@@ -78,8 +83,16 @@ class AcceptanceHeadModule(LightningModule):
         reliability_bins: int = 10,
         sampling: SamplingConfig | None = None,
         hidden_cache: HiddenCache | None = None,
+        draft_kind: DraftKind | None = None,
+        target: nn.Module | None = None,
     ) -> None:
         super().__init__()
+        draft_kind = draft_kind or DraftKind()
+        if draft is not None and draft_kind.reads_target and target is None:
+            raise ValueError(
+                "this draft reads the target's hidden states (an EAGLE-3 head): give AcceptanceHeadModule the "
+                "target (target=...)"
+            )
         if draft is None and not cache_hidden_states:
             raise ValueError("AcceptanceHeadModule needs the draft unless cache_hidden_states=True.")
         if hidden_cache is not None and not cache_hidden_states:
@@ -95,10 +108,21 @@ class AcceptanceHeadModule(LightningModule):
         if not (w_acc > 0 and w_rej > 0):
             raise ValueError(f"w_acc={w_acc} and w_rej={w_rej} must both be positive.")
         self.save_hyperparameters(
-            ignore=["head", "draft", "optimizer", "scheduler", "sampling", "hidden_cache"]
+            ignore=[
+                "head",
+                "draft",
+                "optimizer",
+                "scheduler",
+                "sampling",
+                "hidden_cache",
+                "draft_kind",
+                "target",
+            ]
         )
         self.head = head
         self._draft = Frozen(draft) if draft is not None else None
+        self.draft_kind = draft_kind
+        self._target = Frozen(target) if draft is not None and draft_kind.reads_target else None
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.w_acc = w_acc
@@ -119,13 +143,15 @@ class AcceptanceHeadModule(LightningModule):
 
     def _place_frozen(self) -> None:
         if self._trainer is None:
-            if self._draft is not None:
-                self._draft.to(self.device)
+            for frozen in (self._draft, self._target):
+                if frozen is not None:
+                    frozen.to(self.device)
             return
         # the fit-start cache (keyed already) is built by the ranks together, or reused, before any batch is read
         prepare_caches(FitStart(self.trainer), (self.hidden_cache,))
-        if self._draft is not None:
-            self._draft.place(self.trainer)
+        for frozen in (self._draft, self._target):
+            if frozen is not None:
+                frozen.place(self.trainer)
 
     def on_fit_start(self) -> None:
         self._place_frozen()
@@ -152,7 +178,10 @@ class AcceptanceHeadModule(LightningModule):
                     "the batch holds cached hidden states but cache_hidden_states=False: set it to True (and the "
                     "draft may then be None)."
                 )
-            inputs = judged_head_inputs(self.draft, batch, self.head.input, self.sampling)
+            target = None if self._target is None else self._target.model
+            inputs = judged_head_inputs(
+                self.draft, batch, self.head.input, self.sampling, self.draft_kind, target
+            )
         return self.head(inputs), batch["head_labels"][keep]
 
     def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

@@ -16,8 +16,9 @@ from collections.abc import Sequence
 import torch
 
 from specdistill.decoding.sampling import SamplingConfig
+from specdistill.drafts.base import DraftKind
 from specdistill.models.cache import forward_with_cache, takes_logits_to_keep
-from specdistill.models.output_rows import logits_at
+from specdistill.models.output_rows import logits_at, project_at
 from specdistill.rollout.labels import sample_draft_tokens, soft_labels
 
 
@@ -169,10 +170,13 @@ def _response_logits(
     prompt_lengths: list[int],
     pad_token_id: int,
     vocab_size: int,
+    draft: tuple[DraftKind, torch.nn.Module | None] | None = None,
 ) -> list[torch.Tensor]:
     """Per row, `(n_i, vocab_size)` logits at the positions that predict the response tokens (teacher forcing).
 
     Projects only those positions' hidden states (`logits_at`), never the `(B, T, V)` logits of the whole batch.
+    `draft`: `(kind, target)` when `model` is a draft, whose states and output layer its kind gives
+    (`DraftKind.teacher_forced`); None for a causal LM's own pass (the target's).
     """
     device = _device(model)
     input_ids, attention_mask = right_pad(sequences, pad_token_id)
@@ -181,7 +185,12 @@ def _response_logits(
     for row, (seq, start) in enumerate(zip(sequences, prompt_lengths, strict=True)):
         positions[row, start - 1 : len(seq) - 1] = True
     batch = {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
-    logits = logits_at(model, batch, positions, vocab_size)
+    if draft is None:
+        logits = logits_at(model, batch, positions, vocab_size)
+    else:
+        kind, target = draft
+        states = kind.teacher_forced(model, target, batch, vocab_size)
+        logits = project_at(states.head, states.hidden, positions)
     return list(
         logits.split([len(seq) - start for seq, start in zip(sequences, prompt_lengths, strict=True)])
     )
@@ -198,11 +207,15 @@ def label_responses(
     vocab_size: int,
     generator: torch.Generator | None = None,
     target_logits: Sequence[torch.Tensor] | None = None,
+    kind: DraftKind | None = None,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Sample a draft token at every response position and label it.
 
     Args:
-        target, draft: causal LMs sharing the vocabulary.
+        target: the causal LM whose responses are labelled.
+        draft: the draft, sharing the target's vocabulary; its distribution q at each position is what its `kind`'s
+            teacher-forced pass gives (`DraftKind.teacher_forced`: the causal LM's own pass by default, an EAGLE-3
+            head's step 0 over the target's states; a token the draft cannot propose has q = 0 and is never drawn).
         prompts, responses: token ids; each response X is labelled under teacher forcing on prompt + X_<i.
         sampling: the labelling warping (see `labelling_config`).
         pad_token_id: id used to pad the batch.
@@ -210,6 +223,7 @@ def label_responses(
         generator: generator on the draft's device for the draft-token draws.
         target_logits: per row, the target's `(n_i, vocab_size)` logits at the response positions when generation
             already computed them (`sample_responses`); None runs a teacher-forced target pass.
+        kind: the draft's kind (default `DraftKind()`, a causal LM).
 
     Returns:
         `(draft_tokens, labels)`: per row, lists of the response's length.
@@ -218,7 +232,9 @@ def label_responses(
     prompt_lengths = [len(p) for p in prompts]
     if min(prompt_lengths) < 1:
         raise ValueError("empty prompt: the first response token needs a context to be predicted from.")
-    draft_logits = _response_logits(draft, sequences, prompt_lengths, pad_token_id, vocab_size)
+    draft_logits = _response_logits(
+        draft, sequences, prompt_lengths, pad_token_id, vocab_size, (kind or DraftKind(), target)
+    )
     lengths = [len(r) for r in responses]
     if target_logits is None:
         target_logits = _response_logits(target, sequences, prompt_lengths, pad_token_id, vocab_size)

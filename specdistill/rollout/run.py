@@ -15,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from specdistill.decoding.sampling import SamplingConfig
+from specdistill.drafts.base import DraftKind
 from specdistill.rollout.generate import label_responses, row_seeds, sample_responses
 from specdistill.rollout.labels import labelling_config
 from specdistill.rollout.ranks import Ranks, rank_shards
@@ -82,6 +83,7 @@ def run_rollouts(
     responses_from: str | Path | None = None,
     ranks: Ranks | None = None,
     responses: Sequence[Sequence[int]] | None = None,
+    kind: DraftKind | None = None,
 ) -> datasets.Dataset:
     """Label every prompt's rollout for acceptance-head training and store the result in `out_dir`.
 
@@ -91,7 +93,7 @@ def run_rollouts(
 
     Args:
         target: causal LM that generates the responses and scores the draft tokens (frozen; eval mode is set).
-        draft: causal LM that proposes the draft tokens (same vocabulary).
+        draft: the draft that proposes the draft tokens (same vocabulary), of kind `kind`.
         prompts: token ids of the training prompts.
         out_dir: storage directory (see `specdistill.rollout.storage`).
         sampling: decoding warping, used for the target responses and (unless `label_temperature_one`) the labels.
@@ -114,6 +116,8 @@ def run_rollouts(
             `specdistill.rollout.vllm_backend`): only the labelling passes run, the target's probabilities coming
             from a teacher-forced pass, so the labels are exact for these responses. Recorded by their sha256: a
             resumed run must be given the same ones.
+        kind: the draft's kind (`specdistill.drafts.DraftKind`), whose teacher-forced pass gives the draft's
+            distributions (`DraftKind.teacher_forced`); default a causal LM's own pass.
 
     Returns:
         The whole rollout dataset (`load_rollouts(out_dir)`), on every rank.
@@ -195,6 +199,7 @@ def run_rollouts(
                 pad_token_id=pad_token_id,
                 progress=progress,
                 responses=None if reused is None else [reused[i] for i in indices],
+                kind=kind or DraftKind(),
             )
             write_shard(out_dir, shard, columns, FEATURES)
             if on_shard_done is not None:
@@ -219,6 +224,7 @@ def _roll_out_shard(
     pad_token_id: int,
     progress: tqdm,
     responses: list[list[int]] | None = None,
+    kind: DraftKind,
 ) -> dict[str, list]:
     """Columns of one shard: `prompts[j]` is the prompt with index `indices[j]`; `responses`, when given, are the
     shard's target responses (generated otherwise)."""
@@ -239,7 +245,7 @@ def _roll_out_shard(
             batch_responses = responses[start : start + batch_size]
         tokens, labels = label_responses(
             target, draft, batch_prompts, batch_responses, label_sampling, pad_token_id, vocab_size, generator,
-            target_logits=target_logits,
+            target_logits=target_logits, kind=kind,
         )  # fmt: skip
         columns["prompt_index"] += batch_indices
         columns["prompt_ids"] += batch_prompts

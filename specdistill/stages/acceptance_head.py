@@ -1,17 +1,21 @@
 """Stage `acceptance_head`: train a SpecDec++ acceptance head per draft on its labelled rollouts.
 
-The draft stays frozen; the head reads its last hidden state (docs/METHODS.md section 4). Each head is saved as a
-small directory (`head_config.json` + `model.safetensors`) under `<out_dir>/<draft name>/export`.
+The draft stays frozen; the head reads its last hidden state (docs/METHODS.md section 4), through the draft's kind
+(`DraftKind.teacher_forced`): an EAGLE-3 head's layer output after its final norm, over the states of the target,
+which is then loaded beside the drafts (`DraftKind.reads_target`). Each head is saved as a small directory
+(`head_config.json` + `model.safetensors`) under `<out_dir>/<draft name>/export`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from specdistill.decoding.sampling import SamplingConfig
+from specdistill.drafts import exported_kind
 from specdistill.export.head import export_head
 from specdistill.head_data import HiddenCache, RolloutDataModule
 from specdistill.modules.acceptance_head import AcceptanceHeadModule
@@ -20,6 +24,7 @@ from specdistill.stages.build import (
     build_trainer,
     fit,
     load_exported_drafts,
+    load_frozen_target_and_drafts,
     logged_metrics,
     named_drafts,
     seed_everything,
@@ -50,7 +55,14 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     trainer_cfg = trainer_config(cfg, "acceptance_head")
     # acceptance_head.batch_size is the global batch; each device runs micro-batches of this size
     micro_batch_size = stage_batch_plan(settings, trainer_cfg).micro_batch_size
-    tokenizer, loaded, _ = load_exported_drafts(cfg, {name: drafts[name] for name in rollouts})
+    specs = {name: drafts[name] for name in rollouts}
+    target = None
+    if any(spec.is_pretrained and exported_kind(spec.pretrained_model_name_or_path).reads_target
+           for spec in specs.values()):  # fmt: skip
+        # a draft that reads the target's states (EAGLE-3): the target too, on the CPU until the Trainer places it
+        tokenizer, target, loaded, _ = load_frozen_target_and_drafts(cfg, specs, torch.device("cpu"))
+    else:
+        tokenizer, loaded, _ = load_exported_drafts(cfg, specs)
     models = {name: draft.model for name, draft in loaded.items()}  # the head reads the draft model's states
     result: dict = {"stage": "acceptance_head", "heads": {}}
     for name, rollout_dir in rollouts.items():
@@ -67,6 +79,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
                 draft, rollout_dir, run_dir / "hidden_cache", mixing_ratio=settings.mixing_ratio, seed=cfg.seed,
                 batch_size=micro_batch_size, pad_token_id=tokenizer.pad_token_id,
                 dtype=settings.hidden_cache_dtype, head_input=head.input, sampling=sampling,
+                kind=loaded[name].kind, target=target,
             )  # fmt: skip
         datamodule = RolloutDataModule(
             rollout_dir=str(rollout_dir),
@@ -89,6 +102,8 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
             reliability_bins=settings.reliability_bins,
             sampling=sampling,
             hidden_cache=hidden_cache,
+            draft_kind=loaded[name].kind,
+            target=target,
         )
         trainer = build_trainer(cfg, "acceptance_head", run_dir, trainer_cfg)
         fit(trainer, module, datamodule)

@@ -1,8 +1,9 @@
 """Stage `rollout`: label draft tokens with their acceptance probability under the target (SpecDec++ data).
 
 For every draft in `rollout.drafts` (name -> export path; default the pair's draft) the target samples a response to
-each training prompt, one teacher-forced draft pass samples a draft token at every position, and each gets the soft
-label min(1, p/q) under the decoding warping (`sampling`, docs/METHODS.md section 4). Rollouts are written in shards:
+each training prompt, one teacher-forced draft pass (the draft's kind's, `DraftKind.teacher_forced`: an EAGLE-3 head
+reads the target's states) samples a draft token at every position, and each gets the soft label min(1, p/q) under
+the decoding warping (`sampling`, docs/METHODS.md section 4). Rollouts are written in shards:
 re-launching the same run resumes where it stopped.
 
 `rollout.devices` processes per node on `rollout.num_nodes` nodes share the shards (`specdistill.rollout.ranks`):
@@ -55,21 +56,20 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         prompts = _prompts(cfg, settings, tokenizer)
         given = _vllm_responses(cfg, settings, prompts, sampling, tokenizer.eos_token_id, out_dir)
     tokenizer, target, loaded, vocab_size = load_frozen_target_and_drafts(cfg, drafts, device)
-    # teacher-forced labels need the draft's own distributions: the loaded models themselves
-    models = {name: draft.model for name, draft in loaded.items()}
     if prompts is None:
         prompts = _prompts(cfg, settings, tokenizer)
     rollouts, metrics = {}, {}
-    for name, draft in models.items():
+    for name, draft in loaded.items():
         directory = out_dir / "rollouts" / name
+        # teacher-forced labels need the draft's own distributions: its kind's pass over the loaded model
         dataset = run_rollouts(
-            target, draft, prompts, directory, sampling=sampling, max_new_tokens=settings.max_new_tokens,
+            target, draft.model, prompts, directory, sampling=sampling, max_new_tokens=settings.max_new_tokens,
             batch_size=settings.batch_size, shard_size=settings.shard_size, seed=cfg.seed, vocab_size=vocab_size,
             label_temperature_one=settings.label_temperature_one, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
             # the target's responses do not depend on the draft: generate them once, label them for each draft
             responses_from=next(iter(rollouts.values()), None) if given is None else None, ranks=ranks,
-            responses=given,
+            responses=given, kind=draft.kind,
         )  # fmt: skip
         rollouts[name] = str(directory)
         labels = [a for row in dataset["labels"] for a in row]
