@@ -60,7 +60,7 @@ def shared_tokenizer(cfg: DictConfig, specs: dict[str, ModelSpec]) -> PreTrained
     for role, spec in specs.items():
         if spec.is_pretrained:
             tokenizers[role] = load_tokenizer(
-                spec.pretrained_model_name_or_path, spec.revision, spec.trust_remote_code
+                spec.pretrained_model_name_or_path, spec.revision, spec.trust_remote_code, spec.gguf_file
             )
     check_same_tokenizer(tokenizers)
     return tokenizer
