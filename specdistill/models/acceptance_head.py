@@ -30,7 +30,7 @@ from torch import nn
 from specdistill.errors import InputFileError
 from specdistill.export.hf import umask_modes
 from specdistill.models.draft_identity import draft_fingerprint
-from specdistill.models.output_rows import OutputHead
+from specdistill.models.output_rows import OutputHead, final_hidden_states
 
 CONFIG_NAME = "head_config.json"
 HEAD_INPUTS = ("candidate", "proposer")
@@ -311,6 +311,7 @@ def draft_hidden_states(
     """The head's input: the draft's last hidden state after its final norm, `(B, T, H)`.
 
     Runs the draft's base model (`model.base_model`), which equals `output_hidden_states=True`'s last entry without
-    computing the `(B, T, V)` logits. The state at position t is the one whose *input* token is `input_ids[:, t]`.
+    computing the `(B, T, V)` logits (`specdistill.models.output_rows.final_hidden_states`, the one body pass). The
+    state at position t is the one whose *input* token is `input_ids[:, t]`.
     """
-    return draft.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    return final_hidden_states(draft, {"input_ids": input_ids, "attention_mask": attention_mask})
