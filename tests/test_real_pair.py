@@ -19,20 +19,11 @@ from hydra import compose
 from hydra.utils import instantiate
 
 from specdistill.decoding.engine import SpeculativeDecoder
-from specdistill.decoding.head_policy import AcceptanceHeadPolicy
-from specdistill.decoding.policies import (
-    ConfidenceThreshold,
-    DraftPolicy,
-    EntropyThreshold,
-    FixedLength,
-    HeuristicSchedule,
-    Oracle,
-)
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.models import load_model
-from specdistill.models.acceptance_head import AcceptanceHead
 from specdistill.models.loading import freeze
 from tests.helpers import hydra_conf
+from tests.test_engine import _all_policies
 from tests.threads import one_thread_per_module  # noqa: F401  (autouse fixture: two threads on a shared CPU stall)
 
 pytestmark = pytest.mark.slow
@@ -77,18 +68,8 @@ def references(real_pair) -> list[list[int]]:
     return out
 
 
-def policies(draft: torch.nn.Module) -> dict[str, tuple[DraftPolicy, int]]:
-    """One policy of each kind the engine has -> (policy, max_draft_length); the head is untrained."""
-    torch.manual_seed(0)
-    head = AcceptanceHead(draft.config.hidden_size, num_blocks=2)
-    return {
-        "fixed4": (FixedLength(4), 20),
-        "heuristic": (HeuristicSchedule(initial=3), 8),
-        "confidence": (ConfidenceThreshold(0.4), 20),
-        "entropy": (EntropyThreshold(1.0), 20),
-        "oracle": (Oracle(), 6),
-        "head": (AcceptanceHeadPolicy(head, threshold=0.5), 6),
-    }
+# one policy of each kind the engine has, built as the engine's own tests build them (the acceptance head untrained)
+POLICIES = ("fixed4", "heuristic", "confidence", "entropy", "oracle", "head")
 
 
 def test_the_preset_loads_the_real_model_and_cuts_its_first_three_layers(real_pair):
@@ -107,7 +88,9 @@ def test_the_preset_loads_the_real_model_and_cuts_its_first_three_layers(real_pa
 def test_greedy_speculative_output_is_the_targets_generate_for_every_policy(real_pair, references):
     tokenizer, target, draft, prompts, _ = real_pair
     accepted = rejected = 0
-    for i, (name, (policy, max_draft_length)) in enumerate(policies(draft).items()):
+    chosen = {name: policy for name, policy in _all_policies(draft).items() if name in POLICIES}
+    assert set(chosen) == set(POLICIES)
+    for i, (name, (policy, max_draft_length)) in enumerate(chosen.items()):
         decoder = SpeculativeDecoder(
             target,
             draft,
