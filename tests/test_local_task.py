@@ -7,9 +7,13 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 
+from specdistill.export.hf import export_pretrained
+from specdistill.models.loading import load_model
+from specdistill.stages import evaluate
 from specdistill.tasks.base import TaskDataError
 from specdistill.tasks.local import LocalTask
 from tests.helpers import ROOT, TINY, check_ok, run_train, stage_overrides
@@ -96,3 +100,34 @@ def test_local_task_through_sft_and_evaluate(tmp_path: Path):
                         f"hydra.run.dir={evaluate}"]))  # fmt: skip
     report = json.loads((evaluate / "report.json").read_text())
     assert report["entries"] and all(e["task_metric"] is not None for e in report["entries"])
+
+
+def test_evaluate_reports_another_tasks_prompts_and_chooses_k_on_the_runs_task(tmp_path: Path):
+    """`evaluate.test_task`: the reported prompts come from that task's split (here the local QA files' test split),
+    while K is chosen on the run's task (arith's validation split), as when a code draft is trained on one corpus and
+    evaluated on HumanEval."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=["stage=evaluate", *TINY, "+task@evaluate.test_task=local",
+                                          f"evaluate.test_task.data_files={FILES}",
+                                          *(f"evaluate.test_task.{o.removeprefix('task.')}" for o in QA),
+                                          "evaluate.test_task.metric=exact_match",  # arith's is accuracy
+                                          "evaluate.num_prompts=3", "evaluate.selection_prompts=2",
+                                          "evaluate.max_new_tokens=4", "evaluate.fixed_lengths=[1,2]",
+                                          "evaluate.policies={}", "evaluate.warmup=0"])  # fmt: skip
+    tokenizer = instantiate(cfg.models.tokenizer)
+    draft = export_pretrained(
+        load_model(instantiate(cfg.models.draft), len(tokenizer)), tokenizer, tmp_path / "d"
+    )
+    cfg.evaluate.drafts = {"d": str(draft)}
+    out = tmp_path / "evaluate"
+    out.mkdir()
+    evaluate.run(cfg, out)
+    report = json.loads((out / "report.json").read_text())
+    assert report["settings"]["task"] == "local" and report["settings"]["selection_task"] == "arith"
+    assert report["settings"]["selection"]["split"] == "validation"
+    outputs = [json.loads(line) for line in (out / "outputs.jsonl").open()]
+    assert sorted({r["example_id"] for r in outputs}) == [0, 1, 2]
+    # every reported generation was scored with the local task's metric (exact match on its answers)
+    assert report["settings"]["task_metric_name"] == "exact_match"
+    assert all(e["task_metric"] is not None for e in report["entries"])

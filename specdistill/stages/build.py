@@ -182,10 +182,14 @@ def build_datamodule(
     batch_size: int = 1,
     eval_batch_size: int | None = None,
     accumulate_grad_batches: int = 1,
+    task: Any = None,
 ) -> TaskDataModule:
-    """The task's data module; stages that only read prompts (rollout, evaluate) leave the batch sizes at 1."""
+    """The task's data module; stages that only read prompts (rollout, evaluate) leave the batch sizes at 1.
+
+    `task` is a conf/task/ node to use instead of the run's `cfg.task` (evaluate's `test_task`).
+    """
     return TaskDataModule(
-        task=instantiate(cfg.task),
+        task=instantiate(cfg.task if task is None else task),
         tokenizer=tokenizer,
         max_length=max_length,
         batch_size=batch_size,

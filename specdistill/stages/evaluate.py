@@ -45,21 +45,28 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         for name, path in (settings.heads or {}).items()
     }
     datamodule = build_datamodule(cfg, tokenizer, max_length=settings.max_length)
-    task = datamodule.task
+    # the reported prompts: the run's task, or `test_task` (K and h are chosen on the run's task either way)
+    tested = (
+        datamodule
+        if settings.test_task is None
+        else build_datamodule(cfg, tokenizer, max_length=settings.max_length, task=settings.test_task)
+    )
+    task = tested.task
     result = evaluate_drafts(
         target,
         models,
         heads,
         {name: instantiate(node) for name, node in (settings.policies or {}).items()},
         eval_protocol(settings, SamplingConfig(**cfg.sampling), cfg.seed),
-        test_prompts=datamodule.prompts(settings.split)[: settings.num_prompts],
+        test_prompts=tested.prompts(settings.split)[: settings.num_prompts],
         selection_prompts=datamodule.prompts(settings.selection_split)[: settings.selection_prompts],
         tokenizer=tokenizer,
         vocab_size=vocab_size,
         score_fn=task.score if task.scoring_available else None,
         task_metric_name=task.metric_name,
     )
-    result.report.settings["task"] = cfg.task.name  # the plots' titles name it
+    result.report.settings["task"] = task.name  # the plots' titles name it
+    result.report.settings["selection_task"] = cfg.task.name
     result.report.save(out_dir)
     rows = [
         {"name": e["name"], **e["metrics"], "task_metric": e["task_metric"]}

@@ -393,6 +393,9 @@ class EvaluateSettings(StageSettings):
     """The head policies' grid (a block: thresholds, min_draft_length, score_newest)."""
     max_draft_length: int
     """The engine's bound for every policy."""
+    test_task: dict[str, Any] | None
+    """The task whose `split` is reported (a conf/task/ node, e.g. `/task@evaluate.test_task: humaneval_package`);
+    null: the run's `task`. K and h are always chosen on the run's task (`selection_split`)."""
     split: str
     """The split reported."""
     num_prompts: int | None
