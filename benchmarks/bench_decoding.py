@@ -2,6 +2,9 @@
 
     python benchmarks/bench_decoding.py [--k 4] [--prompts 8] [--max-new-tokens 96] [--repeats 3] [--threads 1]
     python benchmarks/bench_decoding.py --target PATH --draft PATH   # trained exports (HF directories)
+    python benchmarks/bench_decoding.py --config models=smollm2_135m draft=cut_layers_3 task=humaneval_package
+        [--draft PATH]   # a pair and prompts from the project's configs (the real pair: README), prompts from the
+                         # task's test split; --draft replaces the config's (untrained) draft with a trained export
 
 Without paths it builds the toy pair of the brief: a GPT-NeoX target (hidden 256, 4 layers, intermediate 1024,
 vocab 512) and draft (hidden 96, 2 layers), and distils the draft on the target's sampled continuations for a few
@@ -125,6 +128,39 @@ def load_pair(target_path: str, draft_path: str) -> tuple[torch.nn.Module, torch
     return target, draft, vocab
 
 
+def config_pair(
+    overrides: list[str], draft_path: str | None, count: int
+) -> tuple[torch.nn.Module, torch.nn.Module, int, list[list[int]]]:
+    """Target, draft, vocabulary and `count` test prompts (token ids) from the project's Hydra configs, as `train.py`
+    composes them; `draft_path` (an export) replaces the draft the config builds (e.g. an untrained cut)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from specdistill.drafts import load_draft
+    from specdistill.models import load_model
+    from specdistill.models.loading import freeze
+
+    with initialize_config_dir(
+        config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"
+    ):
+        cfg = compose("train", overrides=overrides)
+    tokenizer = instantiate(cfg.models.tokenizer)
+    vocab = len(tokenizer)
+    target = freeze(load_model(instantiate(cfg.models.target)))
+    if draft_path is not None:
+        draft = freeze(load_draft(draft_path, vocab_size=vocab, target=target).proposer(vocab))
+    elif cfg.get("draft") is not None:
+        draft = freeze(instantiate(cfg.draft).build(target, vocab))
+    else:
+        draft = freeze(load_model(instantiate(cfg.models.draft)))
+    task = instantiate(cfg.task)
+    records = task.load_split("test")
+    prompts = [
+        tokenizer(task.prompt(r))["input_ids"] for r in records.select(range(min(count, len(records))))
+    ]
+    return target, draft, vocab, prompts
+
+
 def hf_generate(target, draft, k: int | None) -> Callable[[list[int], int], list[int]]:
     if draft is not None:
         draft.generation_config.num_assistant_tokens = k
@@ -169,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--target", help="trained target export (HF directory); default: toy pair")
     parser.add_argument("--draft", help="trained draft export (HF directory)")
+    parser.add_argument(
+        "--config", nargs="+", help="Hydra overrides composing the pair and the prompts' task from conf/"
+    )
     parser.add_argument("--k", type=int, default=4, help="draft length for the fixed-K comparison")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-length", type=int, default=16)
@@ -180,19 +219,23 @@ def main(argv: list[str] | None = None) -> int:
         "--no-speed-check", action="store_true", help="report the speed ratio without failing"
     )
     args = parser.parse_args(argv)
-    if (args.target is None) != (args.draft is None):
-        parser.error("give both --target and --draft, or neither")
+    if args.config is None and (args.target is None) != (args.draft is None):
+        parser.error("give both --target and --draft, or neither (or --config)")
     if args.threads:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
 
-    target, draft, vocab = (
-        build_toy_pair(args.distill_steps) if args.target is None else load_pair(args.target, args.draft)
-    )
-    gen = torch.Generator().manual_seed(123)
-    prompts = [
-        torch.randint(0, vocab, (args.prompt_length,), generator=gen).tolist() for _ in range(args.prompts)
-    ]
+    if args.config is not None:
+        target, draft, vocab, prompts = config_pair(args.config, args.draft, args.prompts)
+    else:
+        target, draft, vocab = (
+            build_toy_pair(args.distill_steps) if args.target is None else load_pair(args.target, args.draft)
+        )
+        gen = torch.Generator().manual_seed(123)
+        prompts = [
+            torch.randint(0, vocab, (args.prompt_length,), generator=gen).tolist()
+            for _ in range(args.prompts)
+        ]
     k = args.k
     stats: dict[str, list[DecodingStats]] = {}
 
