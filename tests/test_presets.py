@@ -11,6 +11,7 @@ import yaml
 from hydra import compose
 from omegaconf import OmegaConf
 
+import specdistill  # noqa: F401  (registers the config resolvers, as train.py does)
 from tests.helpers import hydra_conf
 
 ROOT = Path(__file__).resolve().parents[1]
