@@ -17,5 +17,5 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     return write_result(
         out_dir,
         {"stage": out_dir.name, "export": str(export), "rollouts": {"d": str(out_dir)}, "heads": {"d": str(out_dir)},
-         "value": 1.0},
+         "target_cache": None, "value": 1.0},
     )  # fmt: skip

@@ -257,3 +257,17 @@ def test_refused_pipeline_relaunch_leaves_hydra_files_and_results_untouched(tmp_
     proc = run_train([*FAKE, "adaspec.k=0.8", f"hydra.run.dir={run_dir}"])
     assert proc.returncode == EX_CANTCREAT and "adaspec (adaspec.k)" in proc.stderr
     assert snapshot(run_dir) == before  # .hydra/ still records the settings the steps ran with
+
+
+def test_the_distill_steps_target_cache_reaches_the_adaspec_step_and_a_null_output_fills_nothing(tmp_path):
+    """conf/step/distill.yaml wires the target cache's folder into adaspec.target_cache_dir; a step that made no
+    cache returns None for it, which leaves the key (a user's own folder) as it was."""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=["adaspec.target_cache_dir=/mine"])
+    step = cfg.stage.steps.distill
+    pipeline.wire_outputs(cfg, "distill", step, {"export": "/run/distill/export", "target_cache": None})
+    assert cfg.adaspec.reference == "/run/distill/export" and cfg.adaspec.target_cache_dir == "/mine"
+    pipeline.wire_outputs(cfg, "distill", step, {"export": "/e", "target_cache": "/run/distill/target_cache"})
+    assert cfg.adaspec.target_cache_dir == "/run/distill/target_cache"
+    with pytest.raises(KeyError, match="returned no 'target_cache'"):
+        pipeline.wire_outputs(cfg, "distill", step, {"export": "/e"})

@@ -144,44 +144,35 @@ def test_a_cache_from_another_model_tokenizer_or_dataset_is_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_adaspec_stage_trains_from_the_cached_target(tmp_path):
-    """`adaspec.cached_target=m`: the stage caches the target once (train and validation) and trains from it."""
-    from hydra import compose, initialize_config_dir
-
-    from specdistill.stages.build import load_models, model_spec
-    from tests.helpers import ROOT, TINY, check_ok, run_train, stage_overrides
-
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("train", overrides=["stage=adaspec", *TINY])
-    tokenizer, models, _ = load_models(cfg, {"draft": model_spec(cfg.models.draft)})
-    reference = tmp_path / "reference"  # what the distill stage exports
-    models["draft"].save_pretrained(reference)
-    tokenizer.save_pretrained(reference)
-    args = ["stage=adaspec", *TINY, *stage_overrides("adaspec", 2), f"adaspec.reference={reference}",
-            "adaspec.cached_target=16", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
-    check_ok(run_train(args))
-    cache = tmp_path / "run" / "target_cache"
-    key = json.loads((cache / "specdistill_target_cache.json").read_text())
-    assert key["m"] == 16 and sorted(key["data"]) == ["train", "validation"]
-    result = json.loads((tmp_path / "run" / "result.json").read_text())
-    assert 0 < result["val/expected_acceptance"] <= 1
-
-
-@pytest.mark.slow
-def test_distill_stage_trains_from_the_cached_target(tmp_path):
-    """`distill.cached_target=m`: the DistillSpec stage caches the target once too and trains from the cache."""
+def test_distill_and_adaspec_stages_train_from_one_shared_cache(tmp_path):
+    """`<stage>.cached_target=m` with one `target_cache_dir`: the distill stage caches the target once (train and
+    validation) and trains from it; the adaspec stage then finds the same key there and reuses the cache (no target
+    pass, nothing written), so the target runs once for both."""
     from tests.helpers import TINY, check_ok, run_train, stage_overrides
 
-    run_dir = tmp_path / "run"
-    args = ["stage=distill", *TINY, *stage_overrides("distill", 2), "distill.cached_target=8",
-            f"hydra.run.dir={run_dir}"]  # fmt: skip
-    check_ok(run_train(args))
-    key_file = run_dir / "target_cache" / "specdistill_target_cache.json"
+    shared = tmp_path / "shared_cache"
+    runs = {stage: tmp_path / stage for stage in ("distill", "adaspec")}
+    check_ok(run_train(
+        ["stage=distill", *TINY, *stage_overrides("distill", 2), "distill.cached_target=8",
+         f"distill.target_cache_dir={shared}", f"hydra.run.dir={runs['distill']}"]
+    ))  # fmt: skip
+    key_file = shared / "specdistill_target_cache.json"
     key = json.loads(key_file.read_text())
     assert key["m"] == 8 and sorted(key["data"]) == ["train", "validation"]
-    result = json.loads((run_dir / "result.json").read_text())
-    assert 0 < result["val/expected_acceptance"] <= 1
-    assert (run_dir / "export" / "model.safetensors").is_file()
+    assert not (runs["distill"] / "target_cache").exists()
+    assert (runs["distill"] / "export" / "model.safetensors").is_file()
+    written = {p: p.stat().st_mtime_ns for p in shared.rglob("*") if p.is_file()}
+
+    check_ok(run_train(
+        ["stage=adaspec", *TINY, *stage_overrides("adaspec", 2), f"adaspec.reference={runs['distill'] / 'export'}",
+         "adaspec.cached_target=8", f"adaspec.target_cache_dir={shared}", f"hydra.run.dir={runs['adaspec']}"]
+    ))  # fmt: skip
+    assert "reusing the cache in" in (runs["adaspec"] / "train.log").read_text()
+    assert {p: p.stat().st_mtime_ns for p in shared.rglob("*") if p.is_file()} == written
+    assert not (runs["adaspec"] / "target_cache").exists()
+    for run in runs.values():
+        result = json.loads((run / "result.json").read_text())
+        assert 0 < result["val/expected_acceptance"] <= 1
 
 
 def _cache_contents(path) -> dict[str, dict[str, list]]:

@@ -1,6 +1,6 @@
 """Stage `distill`: DistillSpec-style distillation of the draft on all answer tokens; its export is the reference.
 
-With `distill.cached_target=<m>` the target's top-m answer distributions are cached once (`target_cache/`, one target
+With `distill.cached_target=<m>` the target's top-m answer distributions are cached once (`target_cache/`, or `distill.target_cache_dir`, which several stages may share; one target
 pass over train and validation at fit start, where the Trainer placed the target) and training runs without it
 (docs/METHODS.md section 2, "Cached target distributions").
 """
@@ -51,7 +51,12 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         # cached at fit start where the Trainer places the target, every rank a share of each split (or reused);
         # the target is released after that pass: training reads the cache
         target = CacheOnceTarget(
-            target, out_dir / "target_cache", tokenizer, datamodule, vocab_size, m=int(settings.cached_target)
+            target,
+            settings.target_cache_path(out_dir),
+            tokenizer,
+            datamodule,
+            vocab_size,
+            m=int(settings.cached_target),
         )
     module = DistillModule(
         draft=models["draft"],
@@ -65,7 +70,9 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     trainer = build_trainer(cfg, "distill", out_dir, trainer_cfg, select_best=settings.select_best)
     metadata = {"stage": "distill", "task": cfg.task.name}
     trained = train_and_export(trainer, module, datamodule, tokenizer, out_dir, metadata)
-    return write_result(out_dir, {"stage": "distill", **trained})
+    # the cache's folder, or None: the pipeline hands it to the adaspec step (conf/step/distill.yaml)
+    cache = str(settings.target_cache_path(out_dir)) if settings.cached_target else None
+    return write_result(out_dir, {"stage": "distill", **trained, "target_cache": cache})
 
 
 def train_and_export(

@@ -155,10 +155,13 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
 
 
 def wire_outputs(cfg: DictConfig, name: str, step: DictConfig, result: dict[str, Any]) -> None:
-    """Copy `result[output]` into every config key listed under `step.outputs[output]`."""
+    """Copy `result[output]` into every config key listed under `step.outputs[output]`; an output the step returned
+    as None (one it did not make, e.g. no target cache) leaves those keys as they are."""
     for output, keys in (step.get("outputs") or {}).items():
         if output not in result:
             raise KeyError(f"pipeline step {name} returned no {output!r}; it returned {sorted(result)}")
+        if result[output] is None:
+            continue
         for key in keys:
             with open_dict(cfg):
                 OmegaConf.update(cfg, key, result[output], force_add=True)

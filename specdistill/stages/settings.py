@@ -19,6 +19,7 @@ import difflib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from hydra.errors import InstantiationException
@@ -217,12 +218,20 @@ class DistillSettings(TaskTrainingSettings):
     group: ClassVar[str] = "distill"
     cached_target: int | None = None
     """m (e.g. 64): cache the target's top-m answer distributions once and train without the target (0/null: off)."""
+    target_cache_dir: str | None = None
+    """Where that cache lives (null: `target_cache/` in the stage's folder). Stages given one directory share one cache: it is
+    keyed by the target's weights, the tokenizer, the tokenised data and m, reused when they match and rebuilt when
+    they do not (the pipeline's distill and adaspec steps then run the target once between them)."""
     select_best: str | None = None
     """A validation metric (e.g. val/expected_acceptance): export the best validation epoch (optimal-epoch regime)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_count(self.group, "cached_target", self.cached_target, minimum=0, optional=True)
+
+    def target_cache_path(self, out_dir: Path) -> Path:
+        """The target cache's directory for a stage writing to `out_dir`."""
+        return Path(self.target_cache_dir) if self.target_cache_dir else out_dir / "target_cache"
 
 
 @dataclass(frozen=True, kw_only=True)
