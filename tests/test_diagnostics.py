@@ -1,4 +1,4 @@
-"""Token-level diagnostics on hand-made logits with known answers."""
+"""Token-level diagnostics on hand-made logits and token strings with known answers."""
 
 from __future__ import annotations
 
@@ -9,11 +9,14 @@ import pytest
 import torch
 
 from specdistill.diagnostics import (
+    TOKEN_CLASSES,
     SignedMargins,
+    kept_dropped_by_class,
     margin_summary,
     per_token_kl,
     signed_margins,
     summarise,
+    token_class,
     top2_margin,
 )
 from specdistill.losses import forward_kl
@@ -149,3 +152,54 @@ def test_margin_summary_and_signed_margins_reject_bad_input():
         SignedMargins(agree=torch.tensor([True]), margin=torch.zeros(2))
     with pytest.raises(ValueError, match="bool tensor"):
         SignedMargins(agree=torch.tensor([1]), margin=torch.zeros(1))
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("12", "digits_operators"),
+        (" +", "digits_operators"),
+        ("==", "digits_operators"),
+        (" (", "digits_operators"),
+        ("def", "keyword"),
+        (" None", "keyword"),
+        (" foo", "identifier"),
+        ("x1", "identifier"),
+        ("é", "identifier"),  # str.isidentifier accepts non-ASCII letters
+        ("\n    ", "whitespace"),
+        ("\t", "whitespace"),
+        ("", "other"),
+        (".", "other"),
+        ("foo(", "other"),
+        ("1x", "other"),
+        ("\ufffd", "other"),  # a partial UTF-8 byte decoded alone
+    ],
+)
+def test_token_class(text, expected):
+    assert token_class(text) == expected
+
+
+def test_kept_dropped_by_class_counts_per_class_in_class_order():
+    texts = ["12", " +", "def", " foo", "\n    ", "é", "==", "."]
+    kept = [True, False, True, False, False, True, True, False]
+    result = kept_dropped_by_class(texts, kept)
+    assert list(result) == list(TOKEN_CLASSES)
+    assert result["digits_operators"] == {"kept": 2, "dropped": 1, "kept_fraction": pytest.approx(2 / 3)}
+    assert result["keyword"] == {"kept": 1, "dropped": 0, "kept_fraction": 1.0}
+    assert result["identifier"] == {"kept": 1, "dropped": 1, "kept_fraction": 0.5}
+    assert result["whitespace"] == {"kept": 0, "dropped": 1, "kept_fraction": 0.0}
+    assert result["other"] == {"kept": 0, "dropped": 1, "kept_fraction": 0.0}
+    assert kept_dropped_by_class(texts, torch.tensor(kept)) == result
+    # classes that do not occur are left out
+    assert list(kept_dropped_by_class(["def", "12"], [True, False])) == ["digits_operators", "keyword"]
+
+
+def test_kept_dropped_by_class_rejects_bad_input():
+    with pytest.raises(ValueError, match="token_texts has 2 entries but kept has 1"):
+        kept_dropped_by_class(["a", "b"], [True])
+    with pytest.raises(ValueError, match="no tokens"):
+        kept_dropped_by_class([], [])
+    with pytest.raises(ValueError, match="Python bools, got int"):
+        kept_dropped_by_class(["a", "b"], [1, 0])
+    with pytest.raises(ValueError, match=r"\(N,\) bool tensor"):
+        kept_dropped_by_class(["a", "b"], torch.tensor([1, 0]))
