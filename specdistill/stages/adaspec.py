@@ -5,8 +5,9 @@ draft, initialised from the *base* draft checkpoint. The selector (`conf/selecto
 of answer tokens; the reference's per-token divergence comes from the online reference or, with
 `adaspec.cached_scores` (default), from one scoring pass saved beside the run (`reference_scores/`), run at fit start
 where the Trainer's strategy put the target, each rank scoring a shard. With `adaspec.cached_target=<m>` the
-target's top-m answer distributions are cached once (`target_cache/`, or a `target_cache_dir` shared with the distill stage), at fit start in the same way, and training
-runs without the target model (docs/METHODS.md section 2, "Cached target distributions").
+target's top-m answer distributions are cached once (`target_cache/`, or `adaspec.target_cache_dir`, which a
+pipeline fills with the distill step's cache: reused when the key matches), at fit start in the same way, and
+training runs without the target model (docs/METHODS.md section 2, "Cached target distributions").
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         # cached at fit start where the Trainer places the target, every rank a share of each split (or reused)
         frozen_target = Frozen(target)
         target = CacheOnceTarget(
-            frozen_target, settings.target_cache_path(out_dir), tokenizer, datamodule, vocab_size, m=int(settings.cached_target),
+            frozen_target, settings.target_cache_path(out_dir), tokenizer, datamodule, vocab_size,
+            m=int(settings.cached_target),
         )  # fmt: skip
     reference = None
     if selector.needs_reference and settings.cached_scores:

@@ -1,8 +1,9 @@
 """Stage `distill`: DistillSpec-style distillation of the draft on all answer tokens; its export is the reference.
 
-With `distill.cached_target=<m>` the target's top-m answer distributions are cached once (`target_cache/`, or `distill.target_cache_dir`, which several stages may share; one target
-pass over train and validation at fit start, where the Trainer placed the target) and training runs without it
-(docs/METHODS.md section 2, "Cached target distributions").
+With `distill.cached_target=<m>` the target's top-m answer distributions are cached once (`target_cache/`, or
+`distill.target_cache_dir`; one target pass over train and validation at fit start, where the Trainer placed the
+target) and training runs without it (docs/METHODS.md section 2, "Cached target distributions"). The result names
+the cache's folder (`target_cache`), which a pipeline hands to the adaspec step.
 """
 
 from __future__ import annotations

@@ -219,9 +219,9 @@ class DistillSettings(TaskTrainingSettings):
     cached_target: int | None = None
     """m (e.g. 64): cache the target's top-m answer distributions once and train without the target (0/null: off)."""
     target_cache_dir: str | None = None
-    """Where that cache lives (null: `target_cache/` in the stage's folder). Stages given one directory share one cache: it is
-    keyed by the target's weights, the tokenizer, the tokenised data and m, reused when they match and rebuilt when
-    they do not (the pipeline's distill and adaspec steps then run the target once between them)."""
+    """Where that cache lives (null: `target_cache/` in the stage's folder). Stages given one folder share one cache:
+    it is keyed by the target's weights, the tokenizer, the tokenised data and m, reused when they match and rebuilt
+    when they do not (a pipeline hands the distill step's folder to the adaspec step: one target pass for both)."""
     select_best: str | None = None
     """A validation metric (e.g. val/expected_acceptance): export the best validation epoch (optimal-epoch regime)."""
 
