@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 import datasets
 
 from specdistill.errors import DataError
+from specdistill.tasks.answers import answers_file, prompt_key, read_answers
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ _COMPRESSIBLE = (".json", ".jsonl", ".csv")
 Files = str | list[str]
 Record = dict[str, Any]
 Prompt = str | list[dict[str, str]]
+GENERATED_ANSWER = "generated_answer"  # the column `answers_from` adds to every record it keeps
 
 
 class TaskDataError(DataError):
@@ -70,6 +72,10 @@ class Task:
         revision: hub revision (branch, tag or commit) for reproducible downloads.
         prompt_style: one of the task's `prompt_styles`: "default", or e.g. "specdecpp" (SpecDec++'s
             Llama-2-chat templates, tasks/specdecpp_prompts.py) for the tasks that have it.
+        answers_from: a folder of generated answers (`<split>.jsonl`, each line `{"prompt", "answer"}`, as the
+            `target_answers` step writes them, `specdistill/tasks/answers.py`): the drafts then learn from these
+            answers (`training_answer`) instead of the dataset's (`answer`, which scores stay on); a split's
+            records without one are skipped and counted. None: the dataset's answers.
     """
 
     name: ClassVar[str] = "task"
@@ -98,6 +104,7 @@ class Task:
         chat_template: bool | None = None,
         revision: str | None = None,
         prompt_style: str = "default",
+        answers_from: str | None = None,
     ) -> None:
         if prompt_style not in self.prompt_styles:
             raise ValueError(
@@ -116,6 +123,7 @@ class Task:
         self.max_examples = _max_examples(max_examples)
         self.chat_template = self.default_chat_template if chat_template is None else bool(chat_template)
         self.revision = revision
+        self.answers_from = None if answers_from is None else str(answers_from)
 
     # ------------------------------------------------------------------ formatting (subclasses implement)
     def prompt(self, record: Record) -> Prompt:
@@ -125,6 +133,19 @@ class Task:
     def answer(self, record: Record) -> str:
         """The training target that follows the prompt (without EOS)."""
         raise NotImplementedError
+
+    def training_answer(self, record: Record) -> str:
+        """What a model trains on after the prompt: the generated answer attached on load (`answers_from`), else
+        the dataset's `answer`."""
+        if self.answers_from is None:
+            return self.answer(record)
+        if record.get(GENERATED_ANSWER) is None:
+            raise TaskDataError(
+                f"Task {self.name!r} trains on the answers in {self.answers_from} (task.answers_from), but this "
+                "record was not loaded from a split they cover. Generate that split's answers too "
+                "(target_answers.splits), or set task.answers_from=null for the dataset's answers."
+            )
+        return record[GENERATED_ANSWER]
 
     def extract_answer(self, text: str) -> str | None:
         """The part of generated `text` that the metric compares; None when nothing can be extracted."""
@@ -205,6 +226,8 @@ class Task:
                 log.warning(
                     "%s/%s: skipped %d of %d unusable records", self.name, split, n_before - len(ds), n_before
                 )
+        if self.answers_from is not None:
+            ds = self._attach_generated_answers(ds, split)
         limit = self.max_examples.get(split)
         if limit is not None:
             ds = ds.select(range(min(limit, len(ds))))
@@ -214,6 +237,30 @@ class Task:
                 "check the data file or the split / max_examples settings."
             )
         return ds
+
+    def _attach_generated_answers(self, ds: datasets.Dataset, split: str) -> datasets.Dataset:
+        """Keep the records whose prompt has an answer in `answers_from`, with it as the `generated_answer` column."""
+        answers = read_answers(self.answers_from, split)
+        found = [answers.get(prompt_key(self.prompt(record))) for record in ds]
+        kept = [i for i, answer in enumerate(found) if answer is not None]
+        if not kept:
+            raise TaskDataError(
+                f"None of the {len(ds)} {split!r} records of task {self.name!r} has an answer in "
+                f"{answers_file(self.answers_from, split)}: those answers were generated for other prompts (another "
+                "task or settings). Generate them again for this task, or set task.answers_from=null."
+            )
+        if len(kept) < len(ds):
+            log.warning(
+                "%s/%s: %d of %d records have no generated answer in %s and are skipped",
+                self.name, split, len(ds) - len(kept), len(ds), self.answers_from,
+            )  # fmt: skip
+        log.info(
+            "%s/%s: training on %d generated answers from %s", self.name, split, len(kept), self.answers_from
+        )
+        ds = ds.select(kept)
+        if GENERATED_ANSWER in ds.column_names:
+            ds = ds.remove_columns(GENERATED_ANSWER)
+        return ds.add_column(GENERATED_ANSWER, [found[i] for i in kept])
 
     def _check_records(self, ds: datasets.Dataset, split: str) -> None:
         """Raise on the first record with a problem (see `record_problem`), naming the source and the row."""

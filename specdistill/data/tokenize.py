@@ -116,7 +116,7 @@ def tokenize_records(
         raise ValueError("The tokenizer has no EOS token; answers end with EOS, so set tokenizer.eos_token.")
     policy = truncation_policy(truncation)
     prompts = [render_prompt(task, record, tokenizer) for record in records]
-    answers = [task.answer(record) for record in records]
+    answers = [task.training_answer(record) for record in records]
     prefix = [] if task.chat_template else special_prefix(tokenizer)
     prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"] if prompts else []
     answer_ids = tokenizer(answers, add_special_tokens=False)["input_ids"] if answers else []
