@@ -17,7 +17,7 @@ from specdistill.stages.build import build_trainer, trainer_config
 from tests.helpers import hydra_conf
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-STAGES = ["sft", "distill", "adaspec", "rollout", "acceptance_head", "evaluate"]
+STAGES = ["sft", "target_answers", "distill", "adaspec", "rollout", "acceptance_head", "evaluate"]
 TRAINING_STAGES = ["sft", "distill", "adaspec", "acceptance_head"]
 MAX_LEAVES = 81  # the most: stage=adaspec on the tiny pair (81 since adaspec.target_cache_dir)
 # options with settings the user must give (`???` paths, their own files): what these tests give them

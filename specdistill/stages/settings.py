@@ -27,6 +27,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig
 
 from specdistill.errors import ConfigError, UserError
+from specdistill.tasks.base import SPLITS
 
 T = TypeVar("T")
 ROLLOUT_BACKENDS = ("hf", "vllm")
@@ -291,6 +292,37 @@ class AcceptanceHeadSettings(TrainingSettings):
         check_number(self.group, "mixing_ratio", self.mixing_ratio, 0.0, 1.0)
         check_number(self.group, "val_fraction", self.val_fraction, 0.0, 1.0, high_open=True)
         check_count(self.group, "reliability_bins", self.reliability_bins)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TargetAnswersSettings(StageSettings):
+    """The target's own greedy answers to the task's prompts, for the drafts to learn from (docs/METHODS.md
+    section 2)."""
+
+    group: ClassVar[str] = "target_answers"
+    splits: list[str]
+    """The task's splits answered (train for training, validation for `val/` metrics)."""
+    max_prompts: int | None
+    """Most prompts answered per split, the first ones in split order (null: every one)."""
+    max_new_tokens: int
+    """Most tokens of each answer; an answer that reaches it is cut there (EOS is still appended in training)."""
+    batch_size: int
+    """Prompts per generate call (sorted by length, so a batch pads little)."""
+    max_length: int
+    """Prompt tokenisation, as in training (longer prompts keep their last tokens)."""
+    device: str
+    """auto (CUDA when available), cuda or cpu."""
+
+    def __post_init__(self) -> None:
+        where = self.group
+        if not self.splits or any(split not in SPLITS for split in self.splits):
+            raise ConfigError(
+                f"{where}.splits={list(self.splits)!r}: name one or more of {list(SPLITS)}, e.g. "
+                f"{where}.splits=[train,validation]."
+            )
+        check_count(where, "max_prompts", self.max_prompts, optional=True)
+        for key in ("max_new_tokens", "batch_size", "max_length"):
+            check_count(where, key, getattr(self, key))
 
 
 @dataclass(frozen=True, kw_only=True)
