@@ -11,6 +11,7 @@ install command.
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -106,3 +107,36 @@ def test_greedy_speculative_output_is_the_targets_generate_for_every_policy(real
         accepted += result.stats.accepted_tokens
         rejected += result.stats.rejected_tokens
     assert accepted > 0 and rejected > 0  # both verification paths ran
+
+
+def test_a_short_pipeline_on_the_real_pair_runs_through_train_py(tmp_path):
+    """experiment=smollm2_stdlib as a user runs it, shrunk to a few prompts and one optimizer step per stage: the
+    target answers stdlib prompts, both drafts distil from those answers (one target cache), rollouts label them,
+    heads train, and evaluation decodes a HumanEval prompt losslessly."""
+    from tests.helpers import check_ok, run_train
+
+    run = tmp_path / "run"
+    check_ok(run_train(
+        ["experiment=smollm2_stdlib", "task.max_examples.train=6", "task.max_examples.validation=2",
+         "target_answers.max_new_tokens=8", "trainer.max_steps=1", "distill.batch_size=2", "adaspec.batch_size=2",
+         "rollout.num_prompts=2", "rollout.max_new_tokens=4", "acceptance_head.trainer.max_epochs=1",
+         "acceptance_head.batch_size=2", "evaluate.num_prompts=1", "evaluate.selection_prompts=1",
+         "evaluate.max_new_tokens=8", "evaluate.fixed_lengths=[2]", "evaluate.acceptance_head.thresholds=[0.5]",
+         "evaluate.acceptance_draft_length=2", "evaluate.warmup=0", f"hydra.run.dir={run}"],
+        timeout=900,
+    ))  # fmt: skip
+    answers = run / "target_answers" / "answers"
+    assert len((answers / "train.jsonl").read_text().splitlines()) == 6
+    assert "stdlib_code/train: training on 6 generated answers" in (run / "train.log").read_text()
+    report = json.loads((run / "evaluate" / "report.json").read_text())
+    names = [e["name"] for e in report["entries"]]
+    assert {e["draft"] for e in report["entries"]} == {None, "distillspec", "adaspec"}
+    assert any("head" in name for name in names) and any("oracle" in name for name in names)
+    # the experiment turns the training-free policies off (evaluate.policies.<name>: null)
+    assert not [name for name in names if name.split("/")[-1] in ("heuristic", "confidence", "entropy")], names
+    outputs: dict[str, list[int]] = {}
+    for line in (run / "evaluate" / "outputs.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        outputs[row["name"]] = row["tokens"]
+    baseline = outputs.pop(names[0])  # the autoregressive target's greedy output
+    assert baseline and all(tokens == baseline for tokens in outputs.values()), sorted(outputs)

@@ -56,7 +56,9 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         target,
         models,
         heads,
-        {name: instantiate(node) for name, node in (settings.policies or {}).items()},
+        {
+            name: instantiate(node) for name, node in (settings.policies or {}).items() if node is not None
+        },  # null: off
         eval_protocol(settings, SamplingConfig(**cfg.sampling), cfg.seed),
         test_prompts=tested.prompts(settings.split)[: settings.num_prompts],
         selection_prompts=datamodule.prompts(settings.selection_split)[: settings.selection_prompts],
