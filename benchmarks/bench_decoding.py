@@ -20,7 +20,7 @@ all of them alike; tokens/s = all tokens / all time of the timed passes (one war
   disables both the confidence stop and its online re-tuning).
 - `ours_fixed_k{K}`, `ours_heuristic`, `ours_confidence`, `ours_entropy`, `ours_oracle`: `SpeculativeDecoder` with
   its default bound of 20 candidates per round (the oracle's target probes, `oracle_probe_time_s`, are subtracted
-  from its time).
+  from its time); `--policies oracle` times only that one besides fixed K, `--policies` alone none.
 
 On CPU with models this small every forward costs about the same fixed Python overhead, so a draft step is nearly as
 expensive as a target step and speculation itself loses to plain decoding; what this benchmark measures is the
@@ -61,6 +61,13 @@ from specdistill.decoding.toy import tiny_gpt_neox
 
 VOCAB = 512
 GREEDY = SamplingConfig(greedy=True)
+# our adaptive policies, each built from the fixed-K comparison's K
+POLICIES: dict[str, Callable[[int], DraftPolicy]] = {
+    "heuristic": lambda k: HeuristicSchedule(initial=k),
+    "confidence": lambda k: ConfidenceThreshold(0.4),
+    "entropy": lambda k: EntropyThreshold(1.0),
+    "oracle": lambda k: Oracle(),
+}
 
 
 def gpt_neox(
@@ -218,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-speed-check", action="store_true", help="report the speed ratio without failing"
     )
+    parser.add_argument(
+        "--policies", nargs="*", default=list(POLICIES), choices=list(POLICIES),
+        help="our adaptive policies to time besides fixed K (default: all; none: `--policies` alone)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.config is None and (args.target is None) != (args.draft is None):
         parser.error("give both --target and --draft, or neither (or --config)")
@@ -248,10 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         "autoregressive": our_method("autoregressive", None),
         f"hf_assisted_k{k}": hf_generate(target, draft, k),
         f"ours_fixed_k{k}": our_method(f"ours_fixed_k{k}", FixedLength(k)),
-        "ours_heuristic": our_method("ours_heuristic", HeuristicSchedule(initial=k)),
-        "ours_confidence": our_method("ours_confidence", ConfidenceThreshold(0.4)),
-        "ours_entropy": our_method("ours_entropy", EntropyThreshold(1.0)),
-        "ours_oracle": our_method("ours_oracle", Oracle()),
+        **{f"ours_{name}": our_method(f"ours_{name}", POLICIES[name](k)) for name in args.policies},
     }
     seconds = dict.fromkeys(methods, 0.0)
     tokens = dict.fromkeys(methods, 0)
