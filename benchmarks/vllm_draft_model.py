@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 from specdistill.decoding.engine import SpeculativeDecoder, autoregressive  # noqa: E402
 from specdistill.decoding.policies import FixedLength  # noqa: E402
 from specdistill.decoding.sampling import SamplingConfig  # noqa: E402
+from specdistill.decoding.stats import DecodingStats  # noqa: E402
 
 GREEDY = SamplingConfig(greedy=True)
 # fp32 like our engine; a fixed KV cache (the CPU build otherwise sizes it from the NUMA node's memory); no compile;
@@ -96,7 +97,7 @@ def pair_and_prompts(cfg, count: int):
 
 
 def our_rates(target, draft_dir: Path, prompts, new_tokens: int, k: int, vocab: int):
-    """(acceptance by position, overall acceptance, outputs) of our engine with `FixedLength(k)`."""
+    """(accepted fraction by position, (accepted_per_draft, acceptance_rate), outputs) with `FixedLength(k)`."""
     from specdistill.drafts import load_draft
 
     draft = load_draft(draft_dir, vocab_size=vocab, target=target)
@@ -104,19 +105,18 @@ def our_rates(target, draft_dir: Path, prompts, new_tokens: int, k: int, vocab: 
         target, draft.proposer(vocab), FixedLength(k), GREEDY, None, vocab, max_draft_length=k
     )
     results = [decoder.generate(p, new_tokens) for p in prompts]
-    rounds = sum(r.stats.rounds for r in results)
-    accepted = [0] * k
-    for r in results:
-        for i, n in enumerate(r.stats.accepted_by_position[:k]):
-            accepted[i] += n
-    overall = sum(r.stats.accepted_tokens for r in results) / max(
-        1, sum(r.stats.drafted_tokens for r in results)
+    stats = DecodingStats.sum([r.stats for r in results])
+    by_position = [a / max(1, stats.rounds) for a in (stats.accepted_by_position + [0] * k)[:k]]
+    metrics = stats.metrics()
+    return (
+        by_position,
+        (metrics["accepted_per_draft"], metrics["acceptance_rate"]),
+        [r.tokens for r in results],
     )
-    return [a / max(1, rounds) for a in accepted], overall, [r.tokens for r in results]
 
 
 def vllm_rates(python: str, target_dir: Path, draft_dir: Path, prompts, new_tokens: int, k: int, cwd: Path):
-    """(acceptance by position, overall acceptance, outputs) of vLLM's draft_model speculation."""
+    """(accepted fraction by position, (accepted_per_draft, acceptance_rate), outputs) of vLLM's draft_model."""
     speculative = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": k}
     engine = {**ENGINE, "model": str(target_dir), "speculative_config": speculative,
               "max_model_len": max(map(len, prompts)) + new_tokens + k + 8}  # fmt: skip
@@ -128,11 +128,11 @@ def vllm_rates(python: str, target_dir: Path, draft_dir: Path, prompts, new_toke
     answer = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
     counters = answer["counters"]
     drafts = counters["vllm:spec_decode_num_drafts"]
-    per_position = counters.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []
-    overall = counters["vllm:spec_decode_num_accepted_tokens"] / max(
-        1, counters["vllm:spec_decode_num_draft_tokens"]
-    )
-    return [a / max(1, drafts) for a in per_position], overall, answer["responses"]
+    per_position = (list(counters.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []) + [0] * k)[:k]
+    accepted = counters["vllm:spec_decode_num_accepted_tokens"]
+    tested = accepted + drafts - per_position[k - 1]  # every draft not accepted whole ends on one rejection
+    rates = (accepted / max(1, counters["vllm:spec_decode_num_draft_tokens"]), accepted / max(1, tested))
+    return [a / max(1, drafts) for a in per_position], rates, answer["responses"]
 
 
 def main() -> int:
@@ -188,7 +188,8 @@ def main() -> int:
             same = theirs[2] == reference
             failed |= not same or ours[2] != reference
             print(
-                f"{name}: acceptance rate ours {ours[1]:.3f} vLLM {theirs[1]:.3f}; vLLM output = target's: {same}"
+                f"{name}: accepted_per_draft ours {ours[1][0]:.3f} vLLM {theirs[1][0]:.3f}; acceptance_rate ours "
+                f"{ours[1][1]:.3f} vLLM {theirs[1][1]:.3f}; vLLM output = target's: {same}"
             )
             print("  by position  ours " + " ".join(f"{a:.3f}" for a in ours[0]))
             print("               vLLM " + " ".join(f"{a:.3f}" for a in theirs[0]))
