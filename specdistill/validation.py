@@ -34,6 +34,7 @@ def validate_config(cfg: DictConfig) -> None:
         check_stage_settings(cfg, stage)
     check_drafts_given(cfg)
     check_reference_given(cfg)
+    check_reference_rows(cfg)
     for key, path in model_paths(cfg):
         check_model_source(key, path)
     check_gguf_files(cfg)
@@ -150,6 +151,19 @@ def check_reference_given(cfg: DictConfig) -> None:
             f"{stage}.reference is not set: pass the export directory of a `distill` run "
             f"({stage}.reference=<distill_run_dir>/export), or run stage=pipeline with a distill step, which wires it."
         )
+
+
+def check_reference_rows(cfg: DictConfig) -> None:
+    """AdaSPEC on a draft kind with several training rows per answer token (EAGLE-3) scores its reference online:
+    refuse `adaspec.cached_scores=true` before the distill step has trained for an hour."""
+    if "adaspec" not in running_stages(cfg) or cfg.get("adaspec") is None or cfg.get("selector") is None:
+        return
+    from specdistill.stages.adaspec import check_per_row_reference
+    from specdistill.stages.build import draft_kind
+
+    needs_reference = bool(getattr(get_class(cfg.selector._target_), "needs_reference", False))
+    per_row = needs_reference and not draft_kind(cfg).one_row_per_token
+    check_per_row_reference(build_settings(cfg, "adaspec"), per_row)
 
 
 def check_added_keys(cfg: DictConfig) -> None:

@@ -191,12 +191,15 @@ def test_every_experiment_composes_with_every_pair(experiment, models):
 
 def test_experiments_override_only_what_differs():
     """A preset restates no default: each of its leaves differs from the composition of its group choices alone
-    (on a real pair, whose per-task tuning the preset must not restate either)."""
+    (on a real pair, whose per-task tuning the preset must not restate either). A preset built on another one
+    (`defaults: [<experiment>]`) is compared with that one."""
     for experiment in options("experiment"):
         body = OmegaConf.load(CONF / "experiment" / f"{experiment}.yaml")
-        choices = [
+        defaults = body.pop("defaults", [])
+        parents = [f"experiment={entry}" for entry in defaults if isinstance(entry, str) and entry != "_self_"]
+        choices = parents + [
             f"{key.removeprefix('override /')}={value}"
-            for entry in body.pop("defaults", [])
+            for entry in defaults
             if isinstance(entry, dict)
             for key, value in entry.items()
             if key.startswith("override /")

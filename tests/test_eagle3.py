@@ -126,6 +126,11 @@ def test_unroll_equals_the_decoded_chain(name):
                 position = anchor + step + 1
                 token = ids[row : row + 1, position + 1 : position + 2]
                 out = head(head.embed(token), out.hidden[:, -1:], torch.tensor([position]), cache)
+        for start in (1, 5, 11):  # later anchors only: the same outputs, every position still attended to
+            late = head.unroll(features, ids, mask, steps, start)
+            for step in range(steps):
+                torch.testing.assert_close(late[step].normed, unrolled[step].normed[:, start:])
+                torch.testing.assert_close(late[step].logits, unrolled[step].logits[:, start:])
 
 
 def test_the_head_trains_its_own_weights_only():

@@ -3,6 +3,7 @@ the vLLM/SGLang export layout, export -> load round trip, and train.py distill -
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from pathlib import Path
@@ -24,7 +25,7 @@ from specdistill.losses import ForwardKL
 from specdistill.losses.answers import answer_mask
 from specdistill.losses.divergence import forward_kl
 from specdistill.modules import DistillModule
-from specdistill.selection.reference import OnlineReference
+from specdistill.selection.reference import KindReference, OnlineReference
 from specdistill.selection.selectors import AdaSpecSelector, DraftLossSelector
 from tests.helpers import TINY, check_ok, run_train, stage_overrides
 from tests.test_eagle3 import AUX, tiny_target
@@ -143,7 +144,7 @@ def test_the_head_trains_through_distill_module(tmp_path):
     )  # one per unrolled row
 
 
-def test_a_selector_selects_among_the_unrolled_rows_and_adaspec_is_refused():
+def test_a_selector_selects_among_the_unrolled_rows():
     target, kind, head = built()
     module = DistillModule(
         draft=head, target=target, vocab_size=V, divergence=ForwardKL(),
@@ -156,13 +157,64 @@ def test_a_selector_selects_among_the_unrolled_rows_and_adaspec_is_refused():
                                         target_pass(target, b, answer_mask(b["labels"]), V, AUX), V).draft)  # fmt: skip
     assert record.keep.numel() == record.token_ids.numel() == steps_rows > int(answer_mask(b["labels"]).sum())
     assert 0 < int(record.keep.sum()) < steps_rows and torch.isfinite(loss)
-    adaspec = DistillModule(
+
+
+def adaspec_module(head, target, kind, reference) -> DistillModule:
+    return DistillModule(
         draft=head, target=target, vocab_size=V, divergence=ForwardKL(),
         optimizer=functools.partial(torch.optim.AdamW, lr=1e-3), kind=kind, selector=AdaSpecSelector(k=0.5),
-        reference=OnlineReference(tiny_target("llama", vocab=V, seed=1), ForwardKL(), V),
+        reference=reference,
     )  # fmt: skip
-    with pytest.raises(ValueError, match="choose a selector without a reference"):
-        adaspec.training_step(b, 0)
+
+
+def test_adaspec_ranks_each_unrolled_row_by_the_gap_to_a_reference_head_on_the_same_row():
+    """The reference head is unrolled on the same target pass: its row i is the draft's row i (a copy of the draft
+    scores exactly the draft's divergences, so every gap is 0), and a different head's scores are its own rows'
+    divergences, which the selector subtracts row by row."""
+    target, kind, head = built()
+    b = batch()
+    keep = answer_mask(b["labels"])
+    same = adaspec_module(head, target, kind, KindReference(copy.deepcopy(head), kind, ForwardKL(), V))
+    same.training_step(b, 0)
+    record = same.last_selection
+    assert record.reference_divergence.shape == record.draft_divergence.shape
+    assert record.draft_divergence.numel() > int(keep.sum())  # several rows per answer token
+    torch.testing.assert_close(record.reference_divergence, record.draft_divergence)
+    torch.manual_seed(7)
+    other = kind.build(target, vocab_size=V)
+    other.d2t.copy_(head.d2t)  # the same draft vocabulary (prepare on the same data)
+    other.t2d.copy_(head.t2d)
+    module = adaspec_module(head, target, kind, KindReference(other, kind, ForwardKL(), V))
+    module.training_step(b, 0)
+    record = module.last_selection
+    with torch.no_grad():
+        rows = kind.training_rows(other, b, keep, target_pass(target, b, keep, V, AUX), V)
+        expected = ForwardKL().rows(rows.target, rows.draft)
+    torch.testing.assert_close(record.reference_divergence, expected)
+    assert not torch.allclose(record.reference_divergence, record.draft_divergence)
+    gap = record.draft_divergence - record.reference_divergence
+    torch.testing.assert_close(record.scores, gap)
+    kept, dropped = gap[record.keep], gap[~record.keep]
+    assert int(record.keep.sum()) == round(0.5 * gap.numel()) and kept.min() >= dropped.max()
+
+
+def test_adaspec_on_eagle3_refuses_a_per_token_reference_and_a_reference_that_does_not_line_up():
+    target, kind, head = built()
+    with pytest.raises(ValueError, match="several rows per answer token.*KindReference"):
+        adaspec_module(
+            head, target, kind, OnlineReference(tiny_target("llama", vocab=V, seed=1), ForwardKL(), V)
+        )
+    _, _, other_vocabulary = built(draft_vocab=24)
+    with pytest.raises(ConfigError, match="draft vocabulary .* same draft.draft_vocab_size"):
+        kind.check_reference(head, other_vocabulary)
+    other_layers = Eagle3(draft_vocab_size=40, aux_layer_ids=[0, 1, 2], ttt_steps=3).build(
+        target, vocab_size=V
+    )
+    with pytest.raises(ConfigError, match="fuses target layers"):
+        kind.check_reference(head, other_layers)
+    with pytest.raises(ConfigError, match="is a LlamaForCausalLM.*draft=eagle3"):
+        kind.check_reference(head, tiny_target("llama", vocab=V, seed=1))
+    kind.check_reference(head, copy.deepcopy(head))
 
 
 @pytest.fixture(scope="module")
@@ -203,26 +255,34 @@ def test_export_is_the_vllm_layout_and_loads_back_identical(tokenizer, tmp_path:
 
 @pytest.mark.slow
 def test_train_py_distils_an_eagle3_head_and_evaluates_its_export(tmp_path: Path):
-    """`stage=distill draft=eagle3` trains and exports a head that `stage=evaluate` loads by path and decodes
-    losslessly (greedy: every entry's outputs equal the target's)."""
+    """`stage=distill draft=eagle3` trains and exports a head, `stage=adaspec draft=eagle3` trains a second one
+    selected against it, and `stage=evaluate` loads both by path and decodes losslessly (greedy: every entry's
+    outputs equal the target's)."""
     pair = [*TINY, "models.target.config.num_hidden_layers=4"]
+    head = ["draft=eagle3", "draft.draft_vocab_size=128", "draft.ttt_steps=3", "draft.aux_layer_ids=[0,1,3]"]
     distill = tmp_path / "distill"
-    check_ok(run_train(["stage=distill", *pair, "draft=eagle3", "draft.draft_vocab_size=128", "draft.ttt_steps=3",
-                        "draft.aux_layer_ids=[0,1,3]",
+    check_ok(run_train(["stage=distill", *pair, *head,
                         *stage_overrides("distill", 3), f"hydra.run.dir={distill}"]))  # fmt: skip
     export = distill / "export"
+    adaspec = tmp_path / "adaspec"
+    check_ok(run_train(["stage=adaspec", *pair, *head, f"adaspec.reference={export}", "adaspec.cached_scores=false",
+                        "adaspec.k=0.5", *stage_overrides("adaspec", 2), f"hydra.run.dir={adaspec}"]))  # fmt: skip
+    selected = json.loads((adaspec / "result.json").read_text())
+    assert selected["k"] == 0.5 and 0 < selected["val/expected_acceptance"] <= 1
+    assert json.loads((adaspec / "export" / "config.json").read_text())["draft_vocab_size"] == 128
     config = json.loads((export / "config.json").read_text())
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 3]
     assert config["draft_vocab_size"] == 128
     result = json.loads((distill / "result.json").read_text())
     assert 0 < result["val/expected_acceptance"] <= 1
     evaluate = tmp_path / "evaluate"
-    check_ok(run_train(["stage=evaluate", *pair, f"+evaluate.drafts.eagle={export}", "evaluate.num_prompts=2",
+    check_ok(run_train(["stage=evaluate", *pair, f"+evaluate.drafts.eagle={export}",
+                        f"+evaluate.drafts.eagle_adaspec={adaspec / 'export'}", "evaluate.num_prompts=2",
                         "evaluate.selection_prompts=2", "evaluate.max_new_tokens=8", "evaluate.fixed_lengths=[2]",
                         f"hydra.run.dir={evaluate}"]))  # fmt: skip
     report = json.loads((evaluate / "report.json").read_text())
     names = [e["name"] for e in report["entries"]]
-    assert "eagle/fixed_k2" in names
+    assert {"eagle/fixed_k2", "eagle_adaspec/fixed_k2"} <= set(names)
     rows = [json.loads(line) for line in (evaluate / "outputs.jsonl").read_text().splitlines()]
     by_name: dict[str, dict[int, list[int]]] = {}
     for row in rows:

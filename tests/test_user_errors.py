@@ -51,6 +51,16 @@ def test_a_batch_size_below_one_is_refused_naming_the_key(stage, size):
         validate_config(composed(f"stage={stage}", f"{stage}.batch_size={size}", *reference))
 
 
+def test_adaspec_on_eagle3_heads_with_the_per_token_score_cache_is_refused_before_anything_loads():
+    """The reference head scores the unrolled rows online; the cache holds one score per answer token."""
+    with pytest.raises(ConfigError, match=r"adaspec\.cached_scores=true .* set adaspec\.cached_scores=false"):
+        validated("stage=pipeline", "draft=eagle3", "adaspec.cached_scores=true")
+    validated("stage=pipeline", "draft=eagle3", "adaspec.cached_scores=false")
+    validated(
+        "stage=pipeline", "draft=eagle3", "adaspec.cached_scores=true", "selector=draft_loss"
+    )  # no reference
+
+
 def test_a_key_no_setting_reads_is_refused_by_the_settings_themselves():
     """A key that reaches a stage's group without a '+' on the command line (a preset, a merged file) is refused when
     the typed settings are built, naming the key, the stage and the nearest key."""

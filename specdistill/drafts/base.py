@@ -134,6 +134,9 @@ class DraftKind:
     target_layers: tuple[int, ...] = ()
     # whether the draft reads the target's hidden states: stages then load the target beside it
     reads_target: bool = False
+    # whether `training_rows` gives one row per answer token (False: several, e.g. EAGLE-3's unrolled steps; an
+    # AdaSPEC reference is then scored on those rows by a reference of the same kind, never from a per-token cache)
+    one_row_per_token: bool = True
 
     def specs(self, role: str) -> dict[str, ModelSpec]:
         """The checkpoints this kind loads its draft from, by role name (their tokenizers are checked against the
@@ -201,6 +204,10 @@ class DraftKind:
             vocab_size: the tokenizer's real vocabulary (the head drops padded output rows), or None for every row.
         """
         return DraftStates(final_hidden_states(draft, batch), OutputHead(draft, vocab_size))
+
+    def check_reference(self, draft: nn.Module, reference: nn.Module) -> None:
+        """Refuse an AdaSPEC `reference` of this kind whose rows would not line up with `draft`'s (see
+        `specdistill.selection.reference.KindReference`); nothing to check by default."""
 
     def prepare(self, draft: nn.Module, data: Any) -> None:
         """Called once by a training stage after its data module is built, before training: a kind that derives

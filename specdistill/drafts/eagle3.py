@@ -40,7 +40,7 @@ from specdistill.decoding.proposers.eagle3 import Eagle3Proposer
 from specdistill.drafts.base import DraftKind, DraftStates, TargetPass, TrainingRows, target_states
 from specdistill.errors import ConfigError, InputFileError
 from specdistill.export.hf import umask_modes
-from specdistill.losses.rows import HiddenRows
+from specdistill.losses.rows import GatheredLogitRows, HiddenRows
 from specdistill.models.eagle3 import (
     Eagle3Config,
     Eagle3Head,
@@ -57,18 +57,14 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
 class ProjectedHead:
-    """A linear output layer as an `OutputHead`-like head: `(..., H) -> (..., vocab_size)`, optionally keeping only
-    the given output columns (the target's logits on the draft vocabulary)."""
+    """A linear output layer as an `OutputHead`-like head: `(..., H) -> (..., vocab_size)` (the draft's rows)."""
 
-    def __init__(self, base: Any, layer: nn.Module, columns: torch.Tensor | None = None) -> None:
-        self.base = base
+    def __init__(self, layer: nn.Linear) -> None:
         self.layer = layer  # what the chunked loss checks for trainable parameters
-        self.columns = columns
-        self.vocab_size = len(columns) if columns is not None else layer.weight.shape[0]
+        self.vocab_size = layer.weight.shape[0]
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.base(hidden)
-        return logits if self.columns is None else logits[..., self.columns]
+        return self.layer(hidden)
 
 
 class TargetVocabularyHead:
@@ -104,6 +100,7 @@ class Eagle3(DraftKind):
     """
 
     reads_target = True
+    one_row_per_token = False
 
     def __init__(
         self,
@@ -171,6 +168,26 @@ class Eagle3(DraftKind):
         counts = answer_token_counts(data.tokenized("train")["labels"], draft.config.vocab_size)
         draft.set_vocabulary(draft_vocabulary(counts, draft.config.draft_vocab_size))
 
+    def check_reference(self, draft: nn.Module, reference: nn.Module) -> None:
+        """An AdaSPEC reference head must fuse the same target layers and draft the same vocabulary as `draft`:
+        its unrolled rows are then the draft's rows, one for one (`KindReference`)."""
+        if not isinstance(reference, Eagle3Head):
+            raise ConfigError(
+                f"the AdaSPEC reference is a {type(reference).__name__}, but the draft is an EAGLE-3 head: pass the "
+                "export of a distill run with draft=eagle3 (adaspec.reference=<distill_run_dir>/export)"
+            )
+        if tuple(reference.config.aux_layer_ids) != tuple(draft.config.aux_layer_ids):
+            raise ConfigError(
+                f"the AdaSPEC reference head fuses target layers {list(reference.config.aux_layer_ids)}, the draft "
+                f"{list(draft.config.aux_layer_ids)}: train both with the same draft.aux_layer_ids"
+            )
+        if not torch.equal(reference.target_ids.cpu(), draft.target_ids.cpu()):
+            raise ConfigError(
+                f"the AdaSPEC reference head's draft vocabulary ({reference.config.draft_vocab_size} tokens) is not "
+                f"the draft's ({draft.config.draft_vocab_size}): train both on the same task with the same "
+                "draft.draft_vocab_size, so that their unrolled rows are the same rows"
+            )
+
     def training_rows(
         self,
         draft: nn.Module,
@@ -188,25 +205,26 @@ class Eagle3(DraftKind):
             raise ValueError(
                 "an EAGLE-3 head trains against the target's hidden rows, not cached distributions"
             )
-        features = torch.cat([target.hidden_states[i] for i in self.target_layers], dim=-1)
-        outputs = draft.unroll(features, batch["input_ids"], batch["attention_mask"], self.ttt_steps)
+        features = torch.cat([target.hidden_states[i] for i in draft.config.aux_layer_ids], dim=-1)
         rows, positions = keep.nonzero(as_tuple=True)  # (N,) answer rows in row-major order
-        columns = draft.target_ids
+        # the earliest anchor any row reads: the prompt's earlier anchors are attended to, never unrolled
+        start = max(0, int(positions.min()) - self.ttt_steps) if positions.numel() else 0
+        outputs = draft.unroll(features, batch["input_ids"], batch["attention_mask"], self.ttt_steps, start)
         with torch.no_grad():
-            in_vocab = draft.t2d[_argmax(target.rows)]
+            argmax, restricted = _target_columns(target.rows, draft.target_ids)
+            in_vocab = draft.t2d[argmax]
         hidden, weight, index = [], [], []
         answer = torch.arange(rows.numel(), device=rows.device)
         for step, out in enumerate(outputs):
             anchor = positions - 1 - step
             valid = (anchor >= 0) & in_vocab
-            hidden.append(out.normed[rows[valid], anchor[valid]])
+            hidden.append(out.normed[rows[valid], anchor[valid] - start])
             weight.append(torch.full((int(valid.sum()),), self.step_weight**step, device=rows.device))
             index.append(answer[valid])
         answer_index = torch.cat(index)
-        target_head = ProjectedHead(target.rows.head, target.rows.head.layer, columns)
         return TrainingRows(
-            target=HiddenRows(target.rows.hidden[answer_index], target_head),
-            draft=HiddenRows(torch.cat(hidden), ProjectedHead(draft.lm_head, draft.lm_head)),
+            target=GatheredLogitRows(restricted, answer_index),
+            draft=HiddenRows(torch.cat(hidden), ProjectedHead(draft.lm_head)),
             weight=torch.cat(weight),
             answer_index=answer_index,
         )
@@ -287,10 +305,22 @@ class Eagle3(DraftKind):
         return Eagle3Proposer(model, vocab_size)
 
 
-def _argmax(rows: HiddenRows, chunk: int = 1024) -> torch.Tensor:
-    """`(N,)` argmax of the rows' logits, projected `chunk` rows at a time (never all `(N, V)` at once)."""
-    out = [rows.head(rows.hidden[i : i + chunk]).argmax(-1) for i in range(0, len(rows), chunk)]
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=rows.hidden.device)
+def _target_columns(
+    rows: HiddenRows, columns: torch.Tensor, chunk: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(argmax (N,), logits (N, len(columns)))` of the target's rows: the argmax over the whole vocabulary and the
+    logits at the draft vocabulary's columns, projected `chunk` rows at a time (never all `(N, V)` at once). The
+    unrolled steps' rows gather from these (`GatheredLogitRows`), so each answer row is projected once, not once
+    per step; they hold `N x draft_vocab_size` values."""
+    argmax, kept = [], []
+    for i in range(0, len(rows), chunk):
+        logits = rows.head(rows.hidden[i : i + chunk])
+        argmax.append(logits.argmax(-1))
+        kept.append(logits[..., columns])
+    if not argmax:
+        empty = rows.hidden.new_zeros((0, columns.numel()))
+        return torch.zeros(0, dtype=torch.long, device=rows.hidden.device), empty
+    return torch.cat(argmax), torch.cat(kept)
 
 
 def export_config(

@@ -25,7 +25,7 @@ from torch import nn
 
 from specdistill.models.output_rows import OutputHead, final_hidden_states
 
-__all__ = ["HiddenRows", "LogitRows", "OutputHead", "answer_rows", "final_hidden_states"]
+__all__ = ["GatheredLogitRows", "HiddenRows", "LogitRows", "OutputHead", "answer_rows", "final_hidden_states"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,20 @@ class LogitRows:
 
     def against(self, draft_logits: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.logits(*inputs), draft_logits
+
+
+@dataclass(frozen=True)
+class GatheredLogitRows(LogitRows):
+    """Row `i` is row `index[i]` of `values` `(N, V)` materialised logits; each chunk gathers its own rows, so `M`
+    rows that repeat `N` (several training rows per answer token) never hold `(M, V)` logits at once."""
+
+    index: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.index.shape[0]
+
+    def inputs(self, start: int, stop: int) -> tuple[torch.Tensor, ...]:
+        return (self.values[self.index[start:stop]],)
 
 
 def answer_rows(

@@ -25,6 +25,7 @@ compute the same function (tests/test_eagle3.py).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
@@ -203,12 +204,21 @@ class Eagle3Attention(nn.Module):
     def project(
         self, x: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`(B, T, 2H)` -> rotated q `(B, heads, T, d)`, rotated k and v `(B, heads, T, d)` (kv heads repeated)."""
+        """`(B, T, 2H)` -> rotated q `(B, heads, T, d)`, rotated k and v `(B, kv_heads, T, d)`."""
+        return (self.query(x, positions), *self.keys_values(x, positions))
+
+    def query(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`(B, T, 2H)` -> rotated q `(B, heads, T, d)`."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        return rope(q, positions, self.theta)
+
+    def keys_values(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(B, T, 2H)` -> rotated k and v `(B, kv_heads, T, d)`."""
+        b, t, _ = x.shape
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        return rope(q, positions, self.theta), rope(k, positions, self.theta), v
+        return rope(k, positions, self.theta), v
 
     def expand(self, kv: torch.Tensor) -> torch.Tensor:
         """Repeat `(B, kv_heads, T, d)` keys or values to `(B, heads, T, d)` (grouped-query attention)."""
@@ -293,14 +303,17 @@ class Eagle3Cache:
 # ---------------------------------------------------------------------------------------------- the head
 
 
-@dataclass
 class Eagle3Output:
     """`hidden` `(B, T, H)`: the pre-norm layer output (fed back down a draft chain); `normed` `(B, T, H)`: after
-    the final norm (what `lm_head` reads and an acceptance head scores); `logits` `(B, T, draft_vocab_size)`."""
+    the final norm (what `lm_head` reads and an acceptance head scores); `logits` `(B, T, draft_vocab_size)`,
+    projected on first use (training projects only the rows it scores)."""
 
-    hidden: torch.Tensor
-    normed: torch.Tensor
-    logits: torch.Tensor
+    def __init__(self, hidden: torch.Tensor, normed: torch.Tensor, lm_head: nn.Module) -> None:
+        self.hidden, self.normed, self._lm_head = hidden, normed, lm_head
+
+    @functools.cached_property
+    def logits(self) -> torch.Tensor:
+        return self._lm_head(self.normed)
 
 
 class Eagle3Head(nn.Module):
@@ -378,8 +391,7 @@ class Eagle3Head(nn.Module):
         return self.fc(features.to(self.fc.weight.dtype))
 
     def logits(self, hidden: torch.Tensor) -> Eagle3Output:
-        normed = self.norm(hidden)
-        return Eagle3Output(hidden, normed, self.lm_head(normed))
+        return Eagle3Output(hidden, self.norm(hidden), self.lm_head)
 
     def forward(
         self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: Eagle3Cache
@@ -407,7 +419,12 @@ class Eagle3Head(nn.Module):
         return self.logits(self.midlayer.finish(attn.output(attended), residual))
 
     def unroll(
-        self, features: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor, steps: int
+        self,
+        features: torch.Tensor,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        steps: int,
+        start: int = 0,
     ) -> list[Eagle3Output]:
         """Training-time test: the head run on its own outputs for `steps` steps over whole sequences.
 
@@ -420,19 +437,25 @@ class Eagle3Head(nn.Module):
             input_ids: `(B, T)` tokens (right-padded).
             attention_mask: `(B, T)` 1 on real tokens.
             steps: how many steps (>= 1).
+            start: the first anchor computed: every position is still attended to (step 0's keys and values over
+                the whole sequence), but queries, the MLP and the outputs cover anchors `start..T-1` only (a
+                training batch whose answers begin late skips the prompt's anchors, which no loss row reads).
 
         Returns:
-            One `Eagle3Output` `(B, T, .)` per step; rows whose token index `p + 1 + j` lies past the end read a
-            pad embedding and must be masked by the caller.
+            One `Eagle3Output` `(B, T - start, .)` per step, index `i` being anchor `start + i`; rows whose token
+            index `p + 1 + j` lies past the end read a pad embedding and must be masked by the caller.
         """
         attn = self.midlayer.self_attn
         b, t = input_ids.shape
+        if not 0 <= start < t:
+            raise ValueError(f"unroll start {start} must lie in [0, {t}) for sequences of {t} tokens")
         embeds = self.embed(input_ids)
         index = torch.arange(t, device=input_ids.device)
+        anchors = index[start:]
         # step 0's keys: causal over real tokens, and always the query's own position, so that no row (a pad
         # query of a left-padded row) has nothing to attend to and turns NaN, which its gradient would spread
-        causal = (index[None, :] <= index[:, None])[None, None] & (
-            attention_mask.bool()[:, None, None, :] | torch.eye(t, dtype=torch.bool, device=index.device)
+        causal = (index[None, :] <= anchors[:, None])[None, None] & (
+            attention_mask.bool()[:, None, None, :] | (index[None, :] == anchors[:, None])[None, None]
         )
         scale = 1.0 / math.sqrt(attn.head_dim)
         hidden = self.fuse(features)
@@ -442,14 +465,17 @@ class Eagle3Head(nn.Module):
         for step in range(steps):
             shifted = torch.zeros_like(embeds)
             shifted[:, : t - 1 - step] = embeds[:, 1 + step :]
-            x, residual = self.midlayer.attention_input(shifted, hidden)
-            q, k, v = attn.project(x, index + step)
-            k, v = attn.expand(k), attn.expand(v)
             if step == 0:
-                context_keys, context_values = k, v
+                x, residual = self.midlayer.attention_input(shifted, hidden)
+                k, v = attn.keys_values(x, index)
+                context_keys, context_values = attn.expand(k), attn.expand(v)
+                x, residual = x[:, start:], residual[:, start:]
+                q = attn.query(x, anchors)
             else:
-                chain_keys.append(k)
-                chain_values.append(v)
+                x, residual = self.midlayer.attention_input(shifted[:, start:], hidden)
+                q, k, v = attn.project(x, anchors + step)
+                chain_keys.append(attn.expand(k))
+                chain_values.append(attn.expand(v))
             scores = (q @ context_keys.transpose(-1, -2)) * scale
             scores = scores.masked_fill(~causal, float("-inf"))
             diagonal = [(q * key).sum(-1, keepdim=True) * scale for key in chain_keys]

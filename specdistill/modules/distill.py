@@ -26,8 +26,6 @@ from specdistill.losses.chunked import rowwise
 from specdistill.losses.divergence import Divergence, expected_acceptance, forward_kl
 from specdistill.losses.fused import fused_divergence_sum
 from specdistill.losses.reduction import reduce_tokens, window_normaliser
-from specdistill.losses.rows import HiddenRows
-from specdistill.losses.sparse import SparseRows
 from specdistill.models.frozen import Frozen
 from specdistill.modules.optimization import configure_optimization
 from specdistill.selection.base import SelectionRecord, Selector
@@ -105,6 +103,7 @@ class DistillModule(LightningModule):
                 "train from cached target distributions: drop cached_target or use divergence.kernel=torch"
             )
         self.kind = kind if kind is not None else Standalone()
+        _check_reference_rows(selector, reference, self.kind)
         if self.cached_target is not None and self.kind.target_layers:
             raise ValueError(
                 f"the draft kind {type(self.kind).__name__} reads the target's hidden states at layers "
@@ -167,8 +166,10 @@ class DistillModule(LightningModule):
             return 1, 1
         return self._trainer.world_size, self._trainer.accumulate_grad_batches
 
-    def _answer_rows(self, batch: Mapping[str, Any], split: str) -> tuple[torch.Tensor, TrainingRows]:
-        """Return `(answer_mask (B, T-1), training rows)`: the target's and the draft's rows, final hidden states
+    def _answer_rows(
+        self, batch: Mapping[str, Any], split: str
+    ) -> tuple[torch.Tensor, TargetPass, TrainingRows]:
+        """Return `(answer_mask (B, T-1), target pass, training rows)`: the target's and the draft's rows, final hidden states
         `(M, H)` and each model's output layer, never full logits (`specdistill.losses.rows`); the target runs once,
         no grad (or its cached top-m rows of `split` are read), and the draft kind turns the batch and that target
         pass into the rows (`DraftKind.training_rows`: one per answer token, or more with weights). The divergence
@@ -179,27 +180,28 @@ class DistillModule(LightningModule):
         else:
             with torch.no_grad():
                 target = target_pass(self.target, batch, keep, self.vocab_size, self.kind.target_layers)
-        return keep, self.kind.training_rows(self.draft, batch, keep, target, self.vocab_size)
+        return keep, target, self.kind.training_rows(self.draft, batch, keep, target, self.vocab_size)
 
     def _select(
         self,
         batch: Mapping[str, Any],
         answers: torch.Tensor,
-        target_rows: HiddenRows | SparseRows,
+        target: TargetPass,
+        rows: TrainingRows,
         per_token: torch.Tensor,
         normaliser: torch.Tensor,
-        answer_index: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Run the selector (and the reference it needs) on one micro-batch; record it in `last_selection`.
 
         Args:
-            answers: `(B, T-1)` bool answer mask; target_rows: the target's rows; per_token: `(M,)` D(p, q);
-            normaliser: `()` the window normaliser; answer_index: `(M,)` the answer token of each row
-            (`TrainingRows.answer_index`), None when the rows are the `N` answer tokens.
+            answers: `(B, T-1)` bool answer mask; target: the target pass; rows: the training rows, whose
+            `answer_index` `(M,)` names the answer token of each row (None when the rows are the `N` answer tokens);
+            per_token: `(M,)` D(p, q); normaliser: `()` the window normaliser.
 
         Returns:
             `(keep (M,) bool or None for every row, normaliser ())` for `reduce_tokens`.
         """
+        answer_index = rows.answer_index
         draft_divergence = per_token.detach()
         token_ids = batch["labels"][:, 1:][answers]
         if answer_index is not None:
@@ -208,19 +210,15 @@ class DistillModule(LightningModule):
             keep = torch.ones_like(draft_divergence, dtype=torch.bool)
             self.last_selection = SelectionRecord(keep, None, draft_divergence, None, token_ids)
             return None, normaliser
-        rows = torch.arange(answers.shape[0], device=answers.device)
-        sequence_index = rows[:, None].expand_as(answers)[answers]
+        sequences = torch.arange(answers.shape[0], device=answers.device)
+        sequence_index = sequences[:, None].expand_as(answers)[answers]
         if answer_index is not None:
             sequence_index = sequence_index[answer_index]
         reference_divergence = None
-        if self.uses_reference and answer_index is not None:
-            raise ValueError(
-                f"{type(self.selector).__name__} reads a reference model's divergence per answer token, but the "
-                f"draft kind {type(self.kind).__name__} trains on its own rows (several per answer token): choose a "
-                "selector without a reference (selector=draft_loss, random or none)"
-            )
-        if self.uses_reference:
-            reference_divergence = self.reference.score(batch, answers, target_rows)
+        if self.uses_reference and self.reference.per_row:
+            reference_divergence = self.reference.score_rows(batch, answers, target, rows)
+        elif self.uses_reference:
+            reference_divergence = self.reference.score(batch, answers, target.rows)
         selection = self.selector.select(draft_divergence, reference_divergence, sequence_index, normaliser)
         self.last_selection = SelectionRecord(
             selection.keep, selection.scores, draft_divergence, reference_divergence, token_ids
@@ -230,7 +228,7 @@ class DistillModule(LightningModule):
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
         world_size, accumulate = self._window()
         normaliser = window_normaliser(batch, world_size)
-        answers, rows = self._answer_rows(batch, "train")
+        answers, target, rows = self._answer_rows(batch, "train")
         target_rows, draft_rows = rows.target, rows.draft
         fused = (
             self.divergence.kernel != "torch"
@@ -243,7 +241,7 @@ class DistillModule(LightningModule):
         with torch.no_grad() if fused else contextlib.nullcontext():
             per_token = self.divergence.rows(target_rows, draft_rows)
         keep, normaliser = self._select(
-            batch, answers, target_rows, per_token, normaliser.to(per_token.device), rows.answer_index
+            batch, answers, target, rows, per_token, normaliser.to(per_token.device)
         )
         if rows.weight is not None:
             per_token = per_token * rows.weight.to(per_token)
@@ -257,7 +255,7 @@ class DistillModule(LightningModule):
         return loss
 
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
-        answers, rows = self._answer_rows(batch, "validation")
+        answers, _, rows = self._answer_rows(batch, "validation")
         num_tokens = int(answers.sum())
         if num_tokens == 0:
             return
@@ -307,6 +305,25 @@ def _check_reference(
     reference_vocab = getattr(reference, "vocab_size", None)
     if reference_vocab is not None and reference_vocab != vocab_size:
         raise ValueError(f"the reference uses vocab_size {reference_vocab} but the module {vocab_size}")
+
+
+def _check_reference_rows(
+    selector: Selector | None, reference: ReferenceScores | None, kind: DraftKind
+) -> None:
+    """Refuse a reference that scores answer tokens for a kind that trains on several rows per token, and the
+    reverse: the selector compares D(p, q) and D(p, r) row by row."""
+    if selector is None or not selector.needs_reference or reference is None:
+        return
+    if reference.per_row == (not kind.one_row_per_token):
+        return
+    several = not kind.one_row_per_token
+    raise ValueError(
+        f"{type(selector).__name__} compares the draft's and the reference's divergence row by row; the draft kind "
+        f"{type(kind).__name__} trains on {'several rows' if several else 'one row'} per answer token, which "
+        f"{type(reference).__name__} does not score: use "
+        + ("KindReference(<a reference draft of the same kind>, kind, divergence, vocab_size)" if several
+           else "OnlineReference or CachedReferenceScores")
+    )  # fmt: skip
 
 
 def _same_divergence(a: Divergence, b: Divergence) -> bool:

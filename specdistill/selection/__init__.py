@@ -3,13 +3,14 @@
 - `selectors`: pure functions of per-token scores (`AdaSpecSelector`, `RandomSelector`, `DraftLossSelector`,
   `NoSelector`), built on the exact top-fraction functions of `topk`.
 - `reference`: where AdaSPEC's D(p, r) comes from (`OnlineReference`, `CachedReferenceScores`,
-  `ScoreOnceReference`) and the score cache.
+  `ScoreOnceReference`; `KindReference` for a draft kind's own rows) and the score cache.
 - `scoring`: the scoring pass over a dataloader and the per-example storage format.
 """
 
 from specdistill.selection.base import Selection, SelectionRecord, Selector
 from specdistill.selection.reference import (
     CachedReferenceScores,
+    KindReference,
     OnlineReference,
     ReferenceScores,
     ScoreOnceReference,
@@ -27,6 +28,7 @@ __all__ = [
     "AdaSpecSelector",
     "CachedReferenceScores",
     "DraftLossSelector",
+    "KindReference",
     "NoSelector",
     "OnlineReference",
     "RandomSelector",

@@ -13,7 +13,12 @@ computed by the module, no grad), N = `answer_mask.sum()`:
 - `CachedReferenceScores()`: reads the batch column `ref_divergence` `(B, T-1)` written from scores computed once
   by `cached_reference_scores` (see `specdistill.selection.scoring` for the storage format).
 
-Both give the same values, so online and cached runs select the same tokens. The module also calls
+Both give the same values, so online and cached runs select the same tokens.
+
+A draft kind that trains on several rows per answer token (EAGLE-3's unrolled steps, `DraftKind.one_row_per_token`
+False) is scored row by row instead: `KindReference(model, kind, divergence, vocab_size)` is a frozen reference of
+the same kind, and `provider.score_rows(batch, answer_mask, target_pass, rows) -> (M,)` gives D(p, r) on each of
+the draft's `M` training rows (`per_row` True). The module also calls
 `provider.place(trainer)` at fit/validation/test start (or `provider.to(device)` without a trainer), after
 `specdistill.caches.prepare_caches` has built a `ScoreOnceReference`'s scores.
 """
@@ -44,11 +49,25 @@ KEY_FILE = "specdistill_scores.json"
 
 
 class ReferenceScores:
-    """Base of the providers: `score` per micro-batch, and device placement (nothing to place by default)."""
+    """Base of the providers: `score` per micro-batch, and device placement (nothing to place by default).
+
+    `per_row` False: the provider scores answer tokens (`score`); True: the draft kind's training rows
+    (`score_rows`)."""
+
+    per_row = False
 
     def score(self, batch: Mapping[str, Any], answer_mask: torch.Tensor, target_rows: Any) -> torch.Tensor:
         """D(p, r) per answer token: `(B, T-1)` bool mask and the target's N answer rows -> `(N,)` float32."""
         raise NotImplementedError
+
+    def score_rows(
+        self, batch: Mapping[str, Any], answer_mask: torch.Tensor, target: Any, rows: Any
+    ) -> torch.Tensor:
+        """D(p, r) per training row (`per_row` providers): the batch, its `(B, T-1)` answer mask, the target pass
+        (`specdistill.drafts.TargetPass`) and the draft's `TrainingRows` -> `(M,)` float32."""
+        raise NotImplementedError(
+            f"{type(self).__name__} scores answer tokens, not a draft kind's training rows"
+        )
 
     def place(self, trainer: Any) -> None:
         """Put whatever the provider runs on `trainer`'s devices (ZeRO-3 sharded under DeepSpeed stage 3)."""
@@ -57,7 +76,25 @@ class ReferenceScores:
         """Move whatever the provider runs to `device` (used outside a Trainer)."""
 
 
-class OnlineReference(ReferenceScores):
+class _FrozenReference(ReferenceScores):
+    """A provider that runs a frozen reference model (`model`), held outside every state dict and placed like the
+    target."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._frozen = Frozen(model)
+
+    @property
+    def model(self) -> nn.Module:
+        return self._frozen.model
+
+    def place(self, trainer: Any) -> None:
+        self._frozen.place(trainer)
+
+    def to(self, device: torch.device | str) -> None:
+        self._frozen.to(device)
+
+
+class OnlineReference(_FrozenReference):
     """Score with a frozen reference model on every batch.
 
     Args:
@@ -76,19 +113,9 @@ class OnlineReference(ReferenceScores):
                 "tokens: the reference must come from the same family as draft and target (same tokenizer); "
                 "re-run the distill stage with this model pair"
             )
-        self._frozen = Frozen(model)
+        super().__init__(model)
         self.divergence = divergence
         self.vocab_size = vocab_size
-
-    @property
-    def model(self) -> nn.Module:
-        return self._frozen.model
-
-    def place(self, trainer: Any) -> None:
-        self._frozen.place(trainer)
-
-    def to(self, device: torch.device | str) -> None:
-        self._frozen.to(device)
 
     def score(self, batch: Mapping[str, Any], answer_mask: torch.Tensor, target_rows: Any) -> torch.Tensor:
         """D(p, r) `(N,)`: one reference forward on `batch` (`input_ids`, `attention_mask` `(B, T)`), no grad,
@@ -96,6 +123,49 @@ class OnlineReference(ReferenceScores):
         with torch.no_grad():
             reference_rows = answer_rows(self.model, batch, answer_mask, self.vocab_size)
             return self.divergence.rows(target_rows, reference_rows)
+
+
+class KindReference(_FrozenReference):
+    """Score with a frozen reference draft of the trained draft's own kind, on the draft's own training rows.
+
+    For a kind with several rows per answer token (EAGLE-3: step `j` of the unroll scores answer token `s` from a
+    chain of `j` of the head's own steps), the reference is unrolled the same way on the same target pass, so its
+    row `i` is the draft's row `i` (same answer token, same step): D(p, r) is then compared row by row, as AdaSPEC
+    compares tokens. The reference runs once per micro-batch without gradients; the target is not run again.
+
+    Args:
+        model: the frozen reference draft (e.g. an EAGLE-3 head trained on all tokens, the distill stage's export).
+        kind: the draft kind of both draft and reference (its `training_rows` makes the rows).
+        divergence: the module's training divergence D.
+        vocab_size: the tokenizer's real vocabulary.
+    """
+
+    per_row = True
+
+    def __init__(self, model: nn.Module, kind: Any, divergence: Divergence, vocab_size: int) -> None:
+        super().__init__(model)
+        self.kind = kind
+        self.divergence = divergence
+        self.vocab_size = vocab_size
+
+    def score_rows(
+        self, batch: Mapping[str, Any], answer_mask: torch.Tensor, target: Any, rows: Any
+    ) -> torch.Tensor:
+        """D(p, r) `(M,)` on the rows of `rows` (the draft's `TrainingRows` of this batch)."""
+        with torch.no_grad():
+            reference = self.kind.training_rows(self.model, batch, answer_mask, target, self.vocab_size)
+            if not _same_rows(reference.answer_index, rows.answer_index):
+                raise ValueError(
+                    "the reference's training rows are not the draft's (a different draft vocabulary or unroll): "
+                    "train the reference with the draft's draft settings"
+                )
+            return self.divergence.rows(reference.target, reference.draft)
+
+
+def _same_rows(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.shape == b.shape and bool(torch.equal(a, b.to(a.device)))
 
 
 class CachedReferenceScores(ReferenceScores):

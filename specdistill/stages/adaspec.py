@@ -8,6 +8,11 @@ where the Trainer's strategy put the target, each rank scoring a shard. With `ad
 target's top-m answer distributions are cached once (`target_cache/`, or `adaspec.target_cache_dir`, which a
 pipeline fills with the distill step's cache: reused when the key matches), at fit start in the same way, and
 training runs without the target model (docs/METHODS.md section 2, "Cached target distributions").
+
+With `draft=eagle3` the draft and the reference are EAGLE-3 heads: the draft starts from random weights like the
+distill step's, the reference is that step's export, and the selector ranks the unrolled steps' rows by the gap
+between the draft's and the reference head's divergence on the same row (`KindReference`, online: set
+`adaspec.cached_scores=false`; the reference must fuse the same layers and draft the same vocabulary).
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ from omegaconf import DictConfig, open_dict
 
 from specdistill.callbacks.token_selection import SelectionReport
 from specdistill.data.target_cache import CacheOnceTarget
+from specdistill.drafts import load_draft
+from specdistill.errors import ConfigError
 from specdistill.models import ModelSpec
 from specdistill.models.frozen import Frozen
 from specdistill.modules.distill import DistillModule
-from specdistill.selection.reference import OnlineReference, ScoreOnceReference
+from specdistill.selection.reference import KindReference, OnlineReference, ScoreOnceReference
 from specdistill.stages.build import (
     build_trainer,
     draft_kind,
@@ -96,6 +103,17 @@ def matched_steps(baseline: Baseline, num_examples: int, trainer_cfg: DictConfig
     log.info("compute matched: %d optimizer steps, as the baseline's %s", steps, baseline)
 
 
+def check_per_row_reference(settings: AdaSpecSettings, per_row: bool) -> None:
+    """A draft kind with several training rows per answer token (EAGLE-3) is scored by its reference online, row
+    by row: refuse the per-token score cache for it."""
+    if per_row and settings.cached_scores:
+        raise ConfigError(
+            "adaspec.cached_scores=true caches one reference score per answer token, but this draft kind trains "
+            "on several rows per answer token (EAGLE-3: one per unrolled step), which its reference head scores "
+            "online on the same target pass: set adaspec.cached_scores=false"
+        )
+
+
 def run(cfg: DictConfig, out_dir: Path) -> dict:
     settings = build_settings(cfg, "adaspec")
     if not settings.reference:
@@ -109,20 +127,26 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     if settings.compute_matched:
         settings, trainer_cfg, baseline = compute_matched(settings, trainer_cfg)
     seed_everything(cfg)
-    specs = {
-        "target": model_spec(cfg.models.target),
-        "reference": ModelSpec(
-            pretrained_model_name_or_path=settings.reference, dtype=cfg.models.draft.get("dtype", "float32")
-        ),
-    }
+    reference_spec = ModelSpec(
+        pretrained_model_name_or_path=settings.reference, dtype=cfg.models.draft.get("dtype", "float32")
+    )
     kind = draft_kind(cfg)
+    selector = instantiate(cfg.selector, k=k)
+    per_row = selector.needs_reference and not kind.one_row_per_token
+    check_per_row_reference(settings, per_row)
+    specs = {"target": model_spec(cfg.models.target)}
+    if not per_row:
+        specs["reference"] = reference_spec
     tokenizer, models, vocab_size = load_models(cfg, specs, drafts=dict.fromkeys(TRAINED_ROLES, kind))
     datamodule = training_datamodule(cfg, tokenizer, settings, trainer_cfg)
     kind.prepare(models["draft"], datamodule)
+    if per_row:
+        # a reference of the draft's kind (an EAGLE-3 head reads the target), scored on the draft's own rows
+        models["reference"] = load_draft(reference_spec, vocab_size, target=models["target"]).model
+        kind.check_reference(models["draft"], models["reference"])
     if baseline is not None:
         matched_steps(baseline, len(datamodule.tokenized("train")), trainer_cfg)
     divergence = instantiate(cfg.divergence)
-    selector = instantiate(cfg.selector, k=k)
     target = models.pop("target")
     # with a cached target the module holds no target model: the fit-start passes share this one
     frozen_target = None
@@ -134,7 +158,9 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
             m=int(settings.cached_target),
         )  # fmt: skip
     reference = None
-    if selector.needs_reference and settings.cached_scores:
+    if per_row:
+        reference = KindReference(models["reference"], kind, divergence, vocab_size)
+    elif selector.needs_reference and settings.cached_scores:
         # scored at fit start, on the devices the Trainer gives the target, every rank a shard of the train split
         reference = ScoreOnceReference(
             models["reference"], divergence, vocab_size, out_dir / "reference_scores", datamodule,
