@@ -175,10 +175,24 @@ def test_the_proposer_gives_no_mass_outside_the_draft_vocabulary():
 
     proposer.propose = recording
     decoder.generate([3, 1, 4, 1, 5], 12)
-    drafted = [logits for logits in seen if not torch.all(logits == 0)]  # the first round has no opinion
-    assert drafted
-    for logits in drafted:
+    assert seen and not any(
+        torch.all(logits == 0) for logits in seen
+    )  # never asked before the target's states
+    for logits in seen:
         assert torch.isinf(logits[~head.t2d]).all() and torch.isfinite(logits[head.t2d]).all()
+
+
+def test_the_first_round_only_prefills_and_the_head_drafts_from_the_second():
+    """Before the target has read the prompt the head has no states to draft from: the first round sends no
+    candidates (the target's next token alone, as vLLM's EAGLE drafts after the prefill), the second drafts."""
+    target = tiny_target("llama")
+    proposer = Eagle3Proposer(tiny_head(target), V)
+    decoder = SpeculativeDecoder(target, proposer, FixedLength(3), GREEDY, None, V)
+    two = decoder.generate([3, 1, 4, 1, 5], 2).stats  # round 1 prefills, round 2 may emit only one token
+    assert (two.rounds, two.drafted_tokens, two.draft_forwards, two.target_forwards) == (2, 0, 0, 2)
+    more = decoder.generate([3, 1, 4, 1, 5], 12).stats
+    # the first round empty, the last one too when a single token is left; the others draft up to 3
+    assert more.draft_length_hist[0] in (1, 2) and more.draft_length_hist[3] >= 1
 
 
 @pytest.mark.parametrize("name", TARGETS)

@@ -21,7 +21,9 @@ and hybrid layouts too (Mistral, Qwen2, Gemma-2).
 
 Drafting is the proposer's (`specdistill/decoding/proposers/base.py` states the contract); everything else is the
 engine's. A proposer that sets `target_hidden_layers` gets the target's hidden states of the verified positions
-from the verification pass itself (run with `output_hidden_states=True` only then).
+from the verification pass itself (run with `output_hidden_states=True` only then). For one that drafts from those
+states alone (`drafts_after_prefill`: an EAGLE head) the first round sends no candidates: the target prefills the
+prompt and emits its next token, since before that pass there are no states to draft from.
 
 Oracle policies (`needs_oracle`) get `DraftStep.will_accept` from a target probe that runs on the real target
 cache and is cropped away before the real verification; its time and forward passes are excluded from the
@@ -363,10 +365,14 @@ class SpeculativeDecoder:
         self.policy.reset(max_k)
         start = time.perf_counter()
         excluded = 0.0
+        # A proposer that drafts from the target's hidden states has none before the target has read the prompt:
+        # its first round only prefills (no candidates: the target's next token), as vLLM's EAGLE does.
+        prefill = self.proposer.drafts_after_prefill
         while seq.n - seq.prompt_length < max_new_tokens and not seq.finished:
             remaining = max_new_tokens - (seq.n - seq.prompt_length)
             # Never draft more than can be emitted: a round emits at most k + 1 tokens.
-            excluded += self._round(seq, min(max_k, remaining - 1), generator)
+            excluded += self._round(seq, 0 if prefill else min(max_k, remaining - 1), generator)
+            prefill = False
         _sync(self.device)
         seq.stats.wall_time_s = time.perf_counter() - start - excluded
         seq.stats.oracle_probe_time_s = excluded

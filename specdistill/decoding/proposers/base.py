@@ -97,11 +97,15 @@ class Proposer(abc.ABC):
             `observe_target` after every round; when None the target forward stays as cheap as without proposers.
         forwards: forward passes (of whatever model the proposer runs) since `start`; the engine reports it as
             `DecodingStats.draft_forwards`. Subclasses reset it in `start` and count in `propose`.
+        drafts_after_prefill: True for a proposer that drafts only from the target's states (an EAGLE head): the
+            engine's first round then sends no candidates (the target prefills the prompt and emits its next
+            token) and drafting starts at the second round. False (default): the first round drafts too.
     """
 
     vocab_size: int
     target_hidden_layers: tuple[int, ...] | None = None
     forwards: int = 0
+    drafts_after_prefill: bool = False
 
     @property
     @abc.abstractmethod

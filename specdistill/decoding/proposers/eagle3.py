@@ -10,8 +10,9 @@ positions are dropped at the next verification and recomputed from the target's 
 
 The draft distribution lives on the draft vocabulary: draft id `i` is target id `i + d2t[i]`, and every other target
 id gets draft probability 0 (logit -inf), so the engine's residual `max(p - q, 0)` gives those tokens the target's
-mass and decoding stays lossless. Before the first verification the target has computed nothing: the proposer then
-has no opinion (uniform logits), as a proposer without states must.
+mass and decoding stays lossless. Before the first verification the target has computed nothing, so the engine's
+first round only prefills (`SpeculativeDecoder`); asked anyway, the proposer has no opinion (uniform logits), as a
+proposer without states must.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ class Eagle3Proposer(Proposer):
         head: the EAGLE-3 head in eval mode, with the target's input embeddings attached.
         vocab_size: the tokenizer's real vocabulary; every draft-vocabulary id must lie below it.
     """
+
+    drafts_after_prefill = True
 
     def __init__(self, head: Eagle3Head, vocab_size: int) -> None:
         check_vocab_size(vocab_size)
