@@ -13,7 +13,8 @@
   is the public recipe's loss (soft cross-entropy up to the target's entropy, which has no gradient).
 - `export`: the layout vLLM and SGLang load (`config.json` with `architectures: ["LlamaForCausalLMEagle3"]`,
   `model.safetensors` with `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`, no embeddings), the tokenizer,
-  `specdistill.json` and `draft_kind.json`.
+  `specdistill.json` and `draft_kind.json`; and in `speculators/` the same head in vLLM's `speculators` format
+  (`Eagle3Speculator`, `specdistill.export.speculators`), naming the target it was built on as its verifier.
 - `load`: needs the loaded target (`load_draft(..., target=...)`, which evaluate, rollout and acceptance_head
   pass), whose input embeddings the head attaches; `proposer`: an `Eagle3Proposer`.
 - `teacher_forced`: SpecDec++ on the head (rollout labels, acceptance-head inputs): the unroll's step 0 over the
@@ -40,6 +41,7 @@ from specdistill.decoding.proposers.eagle3 import Eagle3Proposer
 from specdistill.drafts.base import DraftKind, DraftStates, TargetPass, TrainingRows, target_states
 from specdistill.errors import ConfigError, InputFileError
 from specdistill.export.hf import umask_modes
+from specdistill.export.speculators import export_speculators, verifier_of
 from specdistill.losses.rows import GatheredLogitRows, HiddenRows
 from specdistill.models.eagle3 import (
     Eagle3Config,
@@ -54,6 +56,7 @@ log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+SPECULATORS_DIR = "speculators"  # the same head in vLLM's speculators format (specdistill.export.speculators)
 
 
 class ProjectedHead:
@@ -125,6 +128,8 @@ class Eagle3(DraftKind):
         self.ttt_steps = ttt_steps
         self.step_weight = float(step_weight)
         self.norm_before_residual = bool(norm_before_residual)
+        # where the target came from (path or hub id, architectures): the speculators export names it as verifier
+        self.verifier: tuple[str | None, list[str]] = (None, [])
         if self.aux_layer_ids is not None:
             self.target_layers = self.aux_layer_ids
 
@@ -158,6 +163,7 @@ class Eagle3(DraftKind):
         config = Eagle3Config(**{**config.to_dict(), "norm_before_residual": self.norm_before_residual})
         self.aux_layer_ids = self.target_layers = config.aux_layer_ids
         head = Eagle3Head(config)
+        self.verifier = verifier_of(target)
         head.to(device=embeddings.weight.device, dtype=torch.bfloat16 if pure_bf16 else torch.float32)
         head.attach_embeddings(embeddings)
         head.train()
@@ -271,6 +277,10 @@ class Eagle3(DraftKind):
             json.dumps(export_config(draft.config, tokenizer, draft), indent=2) + "\n"
         )
         tokenizer.save_pretrained(out)
+        verifier, architectures = self.verifier
+        export_speculators(
+            draft, out / SPECULATORS_DIR, verifier, tokenizer, verifier_architectures=architectures
+        )
         if metadata is not None:
             (out / "specdistill.json").write_text(json.dumps(metadata, indent=2, default=str))
         self.write_record(out)
@@ -299,6 +309,7 @@ class Eagle3(DraftKind):
         head.attach_embeddings(target.get_input_embeddings())
         head.to(target.get_input_embeddings().weight.device)
         self.aux_layer_ids = self.target_layers = config.aux_layer_ids
+        self.verifier = verifier_of(target)
         return head.eval()
 
     def proposer(self, model: nn.Module, vocab_size: int) -> nn.Module:
