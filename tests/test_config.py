@@ -196,7 +196,9 @@ def test_experiments_override_only_what_differs():
     for experiment in options("experiment"):
         body = OmegaConf.load(CONF / "experiment" / f"{experiment}.yaml")
         defaults = body.pop("defaults", [])
-        parents = [f"experiment={entry}" for entry in defaults if isinstance(entry, str) and entry != "_self_"]
+        parents = [
+            f"experiment={entry}" for entry in defaults if isinstance(entry, str) and entry != "_self_"
+        ]
         choices = parents + [
             f"{key.removeprefix('override /')}={value}"
             for entry in defaults
