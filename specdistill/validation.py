@@ -35,6 +35,7 @@ def validate_config(cfg: DictConfig) -> None:
     check_drafts_given(cfg)
     check_reference_given(cfg)
     check_reference_rows(cfg)
+    check_target_states(cfg)
     for key, path in model_paths(cfg):
         check_model_source(key, path)
     check_gguf_files(cfg)
@@ -164,6 +165,21 @@ def check_reference_rows(cfg: DictConfig) -> None:
     needs_reference = bool(getattr(get_class(cfg.selector._target_), "needs_reference", False))
     per_row = needs_reference and not draft_kind(cfg).one_row_per_token
     check_per_row_reference(build_settings(cfg, "adaspec"), per_row)
+
+
+def check_target_states(cfg: DictConfig) -> None:
+    """`<stage>.cache_target_states` caches the states a draft kind reads: refuse it for a kind that reads none."""
+    for stage in ("distill", "adaspec"):
+        if stage not in running_stages(cfg) or not OmegaConf.select(cfg, f"{stage}.cache_target_states"):
+            continue
+        from specdistill.stages.build import draft_kind
+
+        kind = draft_kind(cfg)
+        if not kind.reads_target:
+            raise ConfigError(
+                f"{stage}.cache_target_states caches the target's hidden states a draft kind reads, but the "
+                f"draft kind {type(kind).__name__} reads none: use {stage}.cached_target=<m> instead"
+            )
 
 
 def check_added_keys(cfg: DictConfig) -> None:

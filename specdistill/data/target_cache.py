@@ -83,7 +83,20 @@ def _check_m(m: int, vocab_size: int) -> None:
         raise ValueError(f"m must lie in [1, vocab_size={vocab_size}] cached tokens per position, got {m}")
 
 
-class _TargetPass(SharedPass):
+class SplitsPass(SharedPass):
+    """A target pass over the tokenised splits its key names (`key["data"]`: split -> fingerprint), one table each."""
+
+    _key: dict[str, Any]
+    datamodule: Any
+
+    def key(self) -> dict[str, Any]:
+        return self._key
+
+    def sizes(self) -> dict[str, int]:
+        return {split: len(self.datamodule.tokenized(split)) for split in self._key["data"]}
+
+
+class _TargetPass(SplitsPass):
     """The target cache as a `SharedPass`: one table per split, the target's top-m rows of each example.
 
     `target` is the model, or its `Frozen` holder, placed on `trainer`'s devices only when the pass runs."""
@@ -102,12 +115,6 @@ class _TargetPass(SharedPass):
     ) -> None:
         self.path, self.target, self.trainer, self._key = path, target, trainer, key
         self.datamodule, self.chunk_size, self.max_shard_size = datamodule, chunk_size, max_shard_size
-
-    def key(self) -> dict[str, Any]:
-        return self._key
-
-    def sizes(self) -> dict[str, int]:
-        return {split: len(self.datamodule.tokenized(split)) for split in self._key["data"]}
 
     @torch.no_grad()
     def compute(self, name: str, rank: int, world_size: int) -> datasets.Dataset:

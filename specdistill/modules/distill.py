@@ -58,6 +58,9 @@ class DistillModule(LightningModule):
             `CachedReferenceScores`); required when the selector `needs_reference`, never run otherwise.
         kind: the draft's kind (`specdistill.drafts`), which gives the draft's rows from the batch and the target
             pass; default `Standalone()`, a causal LM's own answer rows.
+        target_states: the target's states cached at fit start (`specdistill.data.target_states`), for a kind that
+            reads them: every target pass is read from it and the target's body never runs (the target model stays
+            placed: its output layer scores the rows, and an EAGLE-3 head reads its embeddings).
 
     After each training step `last_selection` holds that micro-batch's `SelectionRecord` (for `SelectionReport`).
     """
@@ -73,6 +76,7 @@ class DistillModule(LightningModule):
         selector: Selector | None = None,
         reference: ReferenceScores | None = None,
         kind: DraftKind | None = None,
+        target_states: Any = None,
     ) -> None:
         super().__init__()
         if vocab_size < 1:
@@ -88,6 +92,7 @@ class DistillModule(LightningModule):
                 "selector",
                 "reference",
                 "kind",
+                "target_states",
             ]
         )
         self.draft = draft
@@ -109,7 +114,15 @@ class DistillModule(LightningModule):
                 f"the draft kind {type(self.kind).__name__} reads the target's hidden states at layers "
                 f"{list(self.kind.target_layers)}, which a cached target does not hold: drop cached_target"
             )
+        if target_states is not None and (self.cached_target is not None or not self.kind.target_layers):
+            raise ValueError(
+                "target_states holds the target's hidden states for a draft kind that reads them: give it with the "
+                "target model (not cached distributions), for such a kind (draft=eagle3)"
+            )
+        self.target_states = target_states
         self._target = None if self.cached_target is not None else Frozen(target)
+        if target_states is not None:
+            self._target = target_states.frozen  # one holder: placed once, its digest taken once
         self.vocab_size = vocab_size
         self.divergence = divergence
         self.optimizer_factory = optimizer
@@ -138,7 +151,9 @@ class DistillModule(LightningModule):
         if self._trainer is not None:
             # the fit-start caches (CacheOnceTarget, ScoreOnceReference) are keyed before any model is placed, then
             # built by the ranks together or reused
-            prepare_caches(FitStart(self.trainer, self._target), (self.cached_target, reference))
+            prepare_caches(
+                FitStart(self.trainer, self._target), (self.cached_target, self.target_states, reference)
+            )
             if self._target is not None:
                 self._target.place(self.trainer)
             if reference is not None:
@@ -177,6 +192,8 @@ class DistillModule(LightningModule):
         keep = answer_mask(batch["labels"])
         if self.cached_target is not None:
             target = TargetPass(self.cached_target.rows(batch, keep, split))
+        elif self.target_states is not None:
+            target = self.target_states.target_pass(batch, keep, split)
         else:
             with torch.no_grad():
                 target = target_pass(self.target, batch, keep, self.vocab_size, self.kind.target_layers)

@@ -43,7 +43,7 @@ from specdistill.stages.build import (
     training_datamodule,
     write_result,
 )
-from specdistill.stages.distill import train_and_export
+from specdistill.stages.distill import target_states_cache, train_and_export
 from specdistill.stages.settings import AdaSpecSettings, build_settings
 from specdistill.utils.batching import BatchPlan, batch_plan, matched_max_steps, world_size
 
@@ -148,6 +148,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         matched_steps(baseline, len(datamodule.tokenized("train")), trainer_cfg)
     divergence = instantiate(cfg.divergence)
     target = models.pop("target")
+    states = target_states_cache(settings, target, out_dir, tokenizer, datamodule, vocab_size, kind)
     # with a cached target the module holds no target model: the fit-start passes share this one
     frozen_target = None
     if settings.cached_target:
@@ -179,6 +180,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         selector=selector,
         reference=reference,
         kind=kind,
+        target_states=states,
     )
     report = SelectionReport(tokenizer=tokenizer, output_dir=str(out_dir))
     trainer = build_trainer(cfg, "adaspec", out_dir, trainer_cfg, [report], select_best=settings.select_best)

@@ -220,15 +220,31 @@ class DistillSettings(TaskTrainingSettings):
     cached_target: int | None = None
     """m (e.g. 64): cache the target's top-m answer distributions once and train without the target (0/null: off)."""
     target_cache_dir: str | None = None
-    """Where that cache lives (null: `target_cache/` in the stage's folder). Stages given one folder share one cache:
+    """Where the stage's target cache (top-m distributions, or states) lives (null: `target_cache/` in the stage's
+    folder). Stages given one folder share one cache:
     it is keyed by the target's weights, the tokenizer, the tokenised data and m, reused when they match and rebuilt
     when they do not (a pipeline hands the distill step's folder to the adaspec step: one target pass for both)."""
+    cache_target_states: str | None = None
+    """For a draft kind that reads the target's hidden states (draft=eagle3): cache them once (train and validation,
+    at fit start, in `target_cache_dir`) as bfloat16, float16 or float32 (exact, twice the size), and never run the
+    target's body in training (null: off); large, see specdistill/data/target_states.py."""
     select_best: str | None = None
     """A validation metric (e.g. val/expected_acceptance): export the best validation epoch (optimal-epoch regime)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_count(self.group, "cached_target", self.cached_target, minimum=0, optional=True)
+        if self.cache_target_states not in (None, "bfloat16", "float16", "float32"):
+            raise ConfigError(
+                f"{self.group}.cache_target_states={self.cache_target_states!r} must be null (off), bfloat16, float16 "
+                "or float32 (the stored states' precision)"
+            )
+        if self.cache_target_states and self.cached_target:
+            raise ConfigError(
+                f"{self.group}.cache_target_states and {self.group}.cached_target={self.cached_target} are two "
+                "target caches: the states for a kind that reads them (draft=eagle3), the top-m distributions for "
+                "one that does not; set one"
+            )
 
     def target_cache_path(self, out_dir: Path) -> Path:
         """The target cache's directory for a stage writing to `out_dir`."""
