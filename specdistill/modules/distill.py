@@ -120,9 +120,10 @@ class DistillModule(LightningModule):
                 "target model (not cached distributions), for such a kind (draft=eagle3)"
             )
         self.target_states = target_states
-        self._target = None if self.cached_target is not None else Frozen(target)
-        if target_states is not None:
-            self._target = target_states.frozen  # one holder: placed once, its digest taken once
+        if self.cached_target is not None:
+            self._target = None
+        else:  # with cached states, the cache's holder: the target is placed once, its digest taken once
+            self._target = target_states.frozen if target_states is not None else Frozen(target)
         self.vocab_size = vocab_size
         self.divergence = divergence
         self.optimizer_factory = optimizer
