@@ -293,3 +293,19 @@ def test_a_head_export_goes_up_as_a_model_artifact_only_with_log_model(
     artifacts = read_finished_run(offline_run_dir(save_dir))["artifacts"]
     expected = [{"type": "model", "metadata": metadata}] if log_model else []
     assert [{"type": a["type"], "metadata": a["metadata"]} for a in artifacts] == expected
+
+
+def test_exports_and_reports_need_no_wandb_without_a_wandb_logger():
+    """`pip install -e .` has no wandb (it is the `wandb` extra): with the default CSV logger an export and a report
+    must not import it (the Quickstart's run once ended in `No module named 'wandb'` at the first export)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['wandb'] = None  # any `import wandb` now raises ImportError\n"
+        "from specdistill.utils.wandb_logger import log_export, log_report\n"
+        "from lightning.pytorch.loggers import CSVLogger\n"
+        "logger = CSVLogger('.')\n"
+        "assert log_export(logger, '.') is False and log_report(logger, {'acceptance_rate': 0.5}) is False\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

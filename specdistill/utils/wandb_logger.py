@@ -269,12 +269,12 @@ def log_export(logger: Any, export_dir: str | Path, metadata: Mapping[str, Any] 
     Returns:
         True when an artifact was logged.
     """
-    import wandb
-
     logged = False
     for item in _wandb_loggers(logger):
         if not getattr(item, "log_exports", False):
             continue
+        import wandb  # only with a W&B logger: wandb is an extra (specdistill[wandb]), not a dependency
+
         run = item.experiment
         name = re.sub(r"[^A-Za-z0-9._-]+", "-", f"{run.name or run.id}-{Path(export_dir).name}")[:120]
         artifact = wandb.Artifact(name=name, type="model", metadata=dict(metadata or {}))
@@ -300,11 +300,11 @@ def log_report(
     Returns:
         True when something was logged to W&B.
     """
-    import wandb
-
     targets = _wandb_loggers(logger)
     if not targets:
         return False
+    import wandb  # only with a W&B logger: wandb is an extra (specdistill[wandb]), not a dependency
+
     scalars = {k: v for k, v in report.items() if isinstance(v, int | float | str | bool)}
     tables = {
         k: v
