@@ -146,12 +146,20 @@ def check_reference_given(cfg: DictConfig) -> None:
         settings = cfg.get(stage)
         if settings is None or "reference" not in settings or settings.reference:
             continue
+        if stage == "adaspec" and _self_referencing(cfg):
+            continue  # the draft's own earlier weights score
         if f"{stage}.reference" in filled_by_earlier_steps(cfg, stage):
             continue
         raise ConfigError(
             f"{stage}.reference is not set: pass the export directory of a `distill` run "
             f"({stage}.reference=<distill_run_dir>/export), or run stage=pipeline with a distill step, which wires it."
         )
+
+
+def _self_referencing(cfg: DictConfig) -> bool:
+    from specdistill.stages.adaspec import is_self_referencing
+
+    return is_self_referencing(cfg)
 
 
 def check_reference_rows(cfg: DictConfig) -> None:
@@ -161,6 +169,9 @@ def check_reference_rows(cfg: DictConfig) -> None:
         return
     from specdistill.stages.adaspec import check_per_row_reference
     from specdistill.stages.build import draft_kind
+
+    if _self_referencing(cfg):
+        return  # scored online by the draft's own earlier weights
 
     needs_reference = bool(getattr(get_class(cfg.selector._target_), "needs_reference", False))
     per_row = needs_reference and not draft_kind(cfg).one_row_per_token

@@ -174,6 +174,26 @@ class DistillModule(LightningModule):
     def on_test_start(self) -> None:
         self._place_frozen()
 
+    # -- a reference that follows the draft (`specdistill.selection.self_reference`) --
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        """Let a self-reference follow the draft with the weights this step started from."""
+        if self.uses_reference and hasattr(self.reference, "before_optimizer_step"):
+            self.reference.before_optimizer_step(self.draft, self.trainer.global_step)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.uses_reference and hasattr(self.reference, "state_dict"):
+            checkpoint["self_reference"] = self.reference.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.uses_reference and hasattr(self.reference, "load_state_dict"):
+            if "self_reference" not in checkpoint:
+                raise ValueError(
+                    "this run's selector scores with a self-reference, but the checkpoint holds none: it was written "
+                    "by a run with another selector; resume with that selector or start a new run folder"
+                )
+            self.reference.load_state_dict(checkpoint["self_reference"])
+
     # -- steps --
 
     def _window(self) -> tuple[int, int]:
@@ -232,6 +252,11 @@ class DistillModule(LightningModule):
         sequence_index = sequences[:, None].expand_as(answers)[answers]
         if answer_index is not None:
             sequence_index = sequence_index[answer_index]
+        if self.uses_reference and not self.reference.ready(self.global_step):
+            # a self-reference still as young as the draft: plain distillation until it is old enough
+            keep = torch.ones_like(draft_divergence, dtype=torch.bool)
+            self.last_selection = SelectionRecord(keep, None, draft_divergence, None, token_ids)
+            return None, normaliser
         reference_divergence = None
         if self.uses_reference and self.reference.per_row:
             reference_divergence = self.reference.score_rows(batch, answers, target, rows)

@@ -4,6 +4,8 @@
   `NoSelector`), built on the exact top-fraction functions of `topk`.
 - `reference`: where AdaSPEC's D(p, r) comes from (`OnlineReference`, `CachedReferenceScores`,
   `ScoreOnceReference`; `KindReference` for a draft kind's own rows) and the score cache.
+- `self_reference`: `SelfReference`, the draft's own earlier weights (lagged or EMA) as its reference
+  (`SelfReferenceSelector`).
 - `scoring`: the scoring pass over a dataloader and the per-example storage format.
 """
 
@@ -21,8 +23,10 @@ from specdistill.selection.selectors import (
     DraftLossSelector,
     NoSelector,
     RandomSelector,
+    SelfReferenceSelector,
     TopFractionSelector,
 )
+from specdistill.selection.self_reference import SelfReference
 
 __all__ = [
     "AdaSpecSelector",
@@ -36,6 +40,8 @@ __all__ = [
     "ScoreOnceReference",
     "Selection",
     "SelectionRecord",
+    "SelfReference",
+    "SelfReferenceSelector",
     "Selector",
     "TopFractionSelector",
     "cached_reference_scores",

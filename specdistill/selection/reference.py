@@ -69,6 +69,10 @@ class ReferenceScores:
             f"{type(self).__name__} scores answer tokens, not a draft kind's training rows"
         )
 
+    def ready(self, step: int) -> bool:
+        """Whether the provider may score optimizer step `step` (a self-reference waits until it is old enough)."""
+        return True
+
     def place(self, trainer: Any) -> None:
         """Put whatever the provider runs on `trainer`'s devices (ZeRO-3 sharded under DeepSpeed stage 3)."""
 

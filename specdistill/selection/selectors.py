@@ -151,6 +151,30 @@ class AdaSpecSelector(TopFractionSelector):
 
 
 @dataclass
+class SelfReferenceSelector(AdaSpecSelector):
+    """AdaSPEC's gap with the draft as its own reference: D(p, r) from an earlier state of the draft
+    (`specdistill.selection.self_reference.SelfReference`, built by the adaspec stage), so no reference stage runs.
+
+    Attributes:
+        self_reference: `lagged` (a snapshot refreshed every `every` steps, N to 2N steps old) or `ema`.
+        every: `lagged`: optimizer steps between refreshes, >= 1.
+        decay: `ema`: the weight on the EMA's past, in (0, 1).
+        warmup_steps: `ema`: optimizer steps of plain distillation before the EMA scores, >= 1.
+    """
+
+    self_reference: str = "lagged"
+    every: int = 50
+    decay: float = 0.99
+    warmup_steps: int = 10
+
+    def __post_init__(self) -> None:
+        from specdistill.selection.self_reference import check_self_reference
+
+        super().__post_init__()
+        check_self_reference(self.self_reference, self.every, self.decay, self.warmup_steps)
+
+
+@dataclass
 class DraftLossSelector(TopFractionSelector):
     """Keep the tokens where the draft's own divergence is largest (no reference: the ablation of the gap)."""
 

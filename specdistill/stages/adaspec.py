@@ -17,6 +17,7 @@ between the draft's and the reference head's divergence on the same row (`KindRe
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass, replace
@@ -33,6 +34,7 @@ from specdistill.models import ModelSpec
 from specdistill.models.frozen import Frozen
 from specdistill.modules.distill import DistillModule
 from specdistill.selection.reference import KindReference, OnlineReference, ScoreOnceReference
+from specdistill.selection.self_reference import SelfReference
 from specdistill.stages.build import (
     build_trainer,
     draft_kind,
@@ -103,6 +105,13 @@ def matched_steps(baseline: Baseline, num_examples: int, trainer_cfg: DictConfig
     log.info("compute matched: %d optimizer steps, as the baseline's %s", steps, baseline)
 
 
+def is_self_referencing(cfg: DictConfig) -> bool:
+    """Whether the selector scores with the draft's own earlier weights (`selector=adaspec_lagged|adaspec_ema`):
+    then no reference model is loaded and `adaspec.reference` and `adaspec.cached_scores` are not read."""
+    selector = cfg.get("selector")
+    return selector is not None and selector.get("self_reference") is not None
+
+
 def check_per_row_reference(settings: AdaSpecSettings, per_row: bool) -> None:
     """A draft kind with several training rows per answer token (EAGLE-3) is scored by its reference online, row
     by row: refuse the per-token score cache for it."""
@@ -116,7 +125,8 @@ def check_per_row_reference(settings: AdaSpecSettings, per_row: bool) -> None:
 
 def run(cfg: DictConfig, out_dir: Path) -> dict:
     settings = build_settings(cfg, "adaspec")
-    if not settings.reference:
+    self_referencing = is_self_referencing(cfg)
+    if not settings.reference and not self_referencing:
         raise ValueError(
             "adaspec.reference is not set: pass the export directory of a `distill` run "
             "(adaspec.reference=<distill_run_dir>/export), or run stage=pipeline which wires it."
@@ -127,20 +137,23 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     if settings.compute_matched:
         settings, trainer_cfg, baseline = compute_matched(settings, trainer_cfg)
     seed_everything(cfg)
-    reference_spec = ModelSpec(
-        pretrained_model_name_or_path=settings.reference, dtype=cfg.models.draft.get("dtype", "float32")
-    )
+    reference_spec = None
+    if not self_referencing:
+        reference_spec = ModelSpec(
+            pretrained_model_name_or_path=settings.reference, dtype=cfg.models.draft.get("dtype", "float32")
+        )
     kind = draft_kind(cfg)
     selector = instantiate(cfg.selector, k=k)
     per_row = selector.needs_reference and not kind.one_row_per_token
-    check_per_row_reference(settings, per_row)
+    if not self_referencing:
+        check_per_row_reference(settings, per_row)
     specs = {"target": model_spec(cfg.models.target)}
-    if not per_row:
+    if not per_row and not self_referencing:
         specs["reference"] = reference_spec
     tokenizer, models, vocab_size = load_models(cfg, specs, drafts=dict.fromkeys(TRAINED_ROLES, kind))
     datamodule = training_datamodule(cfg, tokenizer, settings, trainer_cfg)
     kind.prepare(models["draft"], datamodule)
-    if per_row:
+    if per_row and not self_referencing:
         # a reference of the draft's kind (an EAGLE-3 head reads the target), scored on the draft's own rows
         models["reference"] = load_draft(reference_spec, vocab_size, target=models["target"]).model
         kind.check_reference(models["draft"], models["reference"])
@@ -159,7 +172,16 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
             m=int(settings.cached_target),
         )  # fmt: skip
     reference = None
-    if per_row:
+    if self_referencing:
+        # the draft's own earlier weights score, online (a cache cannot hold scores of weights that keep moving)
+        log.info("AdaSPEC with a %s self-reference: no reference model is loaded", selector.self_reference)
+        scorer = functools.partial(KindReference, kind=kind) if per_row else OnlineReference
+        reference = SelfReference(
+            models["draft"], lambda model: scorer(model, divergence=divergence, vocab_size=vocab_size),
+            mode=selector.self_reference, every=selector.every, decay=selector.decay,
+            warmup_steps=selector.warmup_steps,
+        )  # fmt: skip
+    elif per_row:
         reference = KindReference(models["reference"], kind, divergence, vocab_size)
     elif selector.needs_reference and settings.cached_scores:
         # scored at fit start, on the devices the Trainer gives the target, every rank a shard of the train split
@@ -184,6 +206,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     )
     report = SelectionReport(tokenizer=tokenizer, output_dir=str(out_dir))
     trainer = build_trainer(cfg, "adaspec", out_dir, trainer_cfg, [report], select_best=settings.select_best)
-    metadata = {"stage": "adaspec", "task": cfg.task.name, "reference": settings.reference, "k": k}
+    reference_name = f"self ({selector.self_reference})" if self_referencing else settings.reference
+    metadata = {"stage": "adaspec", "task": cfg.task.name, "reference": reference_name, "k": k}
     trained = train_and_export(trainer, module, datamodule, tokenizer, out_dir, metadata)
     return write_result(out_dir, {"stage": "adaspec", "k": k, **trained})
