@@ -32,7 +32,7 @@ def test_lagged_reference_holds_the_snapshot_from_n_to_2n_steps_earlier():
     history, scored = {}, []
     for step in range(14):
         history[step] = _weights(draft)
-        if reference.ready(step):
+        if reference.scores_step(step):
             held = _weights(reference.model)
             torch.testing.assert_close(held, history[reference.reference_step], rtol=0, atol=0)
             assert 3 <= step - reference.reference_step <= 6
@@ -51,7 +51,7 @@ def test_ema_reference_averages_only_the_weights_steps_started_from():
     reference = SelfReference(draft, _online, mode="ema", decay=0.5, warmup_steps=2)
     expected = _weights(draft)
     for step in range(6):
-        assert reference.ready(step) == (step >= 2)
+        assert reference.scores_step(step) == (step >= 2)
         torch.testing.assert_close(_weights(reference.model), expected)
         if step:
             assert not torch.equal(_weights(reference.model), _weights(draft))

@@ -252,7 +252,7 @@ class DistillModule(LightningModule):
         sequence_index = sequences[:, None].expand_as(answers)[answers]
         if answer_index is not None:
             sequence_index = sequence_index[answer_index]
-        if self.uses_reference and not self.reference.ready(self.global_step):
+        if self.uses_reference and not self.reference.scores_step(self.global_step):
             # a self-reference still as young as the draft: plain distillation until it is old enough
             keep = torch.ones_like(draft_divergence, dtype=torch.bool)
             self.last_selection = SelectionRecord(keep, None, draft_divergence, None, token_ids)

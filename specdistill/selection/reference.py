@@ -69,7 +69,7 @@ class ReferenceScores:
             f"{type(self).__name__} scores answer tokens, not a draft kind's training rows"
         )
 
-    def ready(self, step: int) -> bool:
+    def scores_step(self, step: int) -> bool:
         """Whether the provider may score optimizer step `step` (a self-reference waits until it is old enough)."""
         return True
 

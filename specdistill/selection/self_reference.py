@@ -12,10 +12,11 @@ optimizer changes them (`before_optimizer_step(draft, step)`, `step` = optimizer
 - `ema` (decay d): after every step, r = d * r + (1 - d) * w with w the weights the step started from, so r holds
   only earlier weights (their mean age is d / (1 - d) steps).
 
-Both start as the draft's initial weights, which at step 0 *are* the current weights: the reference is `ready` only
-once it is old enough (`lagged`: its weights are at least N steps old; `ema`: after `warmup_steps` >= 1 steps), and
-until then the module keeps every answer token (plain distillation, recorded with no scores), so the current
-weights never score. `reference_step` is the step whose weights the lagged reference holds (tests check it).
+Both start as the draft's initial weights, which at step 0 *are* the current weights: the reference scores a step
+(`scores_step`) only once it is old enough (`lagged`: its weights are at least N steps old; `ema`: after
+`warmup_steps` >= 1 steps), and until then the module keeps every answer token (plain distillation, recorded with
+no scores), so the current weights never score. `reference_step` is the step whose weights the lagged reference
+holds (tests check it).
 
 Scoring is delegated to the provider of the draft's kind built on the copy (`OnlineReference` for one row per
 answer token, `KindReference` for EAGLE-3's unrolled rows): online, every micro-batch. The copies travel in the
@@ -105,7 +106,7 @@ class SelfReference(ReferenceScores):
 
     # -- following the draft --
 
-    def ready(self, step: int) -> bool:
+    def scores_step(self, step: int) -> bool:
         """True when the reference may score step `step`: its weights are old enough (never the current ones)."""
         if self.mode == "lagged":
             return step - self.reference_step >= self.every
