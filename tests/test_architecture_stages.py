@@ -1,5 +1,5 @@
 """Every preset architecture through every stage: sft -> distill -> adaspec -> rollout -> acceptance_head ->
-evaluate, as one in-process pipeline per architecture (tiny random target and a one-layer draft of the same
+evaluate -> analyse, as one in-process pipeline per architecture (tiny random target and a one-layer draft of the same
 architecture, two optimizer steps per training stage, arith). A subprocess per architecture would pay the imports
 eight times; the stage functions are what train.py calls.
 """
@@ -48,6 +48,7 @@ OVERRIDES = [
     "~evaluate.policies.heuristic",
     "~evaluate.policies.confidence",
     "~evaluate.policies.entropy",
+    "analyse.baseline=null",  # the reference provides no draft here (below)
     *[f"{s}.batch_size=8" for s in TRAINING_STAGES],
     *[f"++{s}.trainer.max_steps=2" for s in TRAINING_STAGES],
     *[f"++{s}.trainer.limit_val_batches=1" for s in TRAINING_STAGES],
@@ -76,7 +77,7 @@ def test_every_stage_runs_on_the_architecture(hydra_ctx, arch, tmp_path):
         cfg.stage.steps.distill.provides = {}
     results = pipeline.run(cfg, tmp_path)
 
-    assert list(results) == ["sft", "distill", "adaspec", "rollout", "acceptance_head", "evaluate"]
+    assert list(results) == ["sft", "distill", "adaspec", "rollout", "acceptance_head", "evaluate", "analyse"]
     model_type = ARCHITECTURES[arch]["model_type"]
     for step in ("sft", "distill", "adaspec"):
         config = AutoConfig.from_pretrained(results[step]["export"])
@@ -84,6 +85,8 @@ def test_every_stage_runs_on_the_architecture(hydra_ctx, arch, tmp_path):
         if arch in SLIDING:
             assert config.sliding_window == WINDOW
     assert (tmp_path / "adaspec" / "selection_tokens.json").is_file()
+    # the diagnostics read the adaspec draft on the validation answers of this architecture
+    assert results["analyse"]["adaspec/positions"] > 0 and (tmp_path / "analyse" / "margins.png").is_file()
     # the reference scores were computed at fit start and saved once
     assert (tmp_path / "adaspec" / "reference_scores" / "specdistill_scores.json").is_file()
     assert 0.0 <= results["rollout"]["adaspec/mean_acceptance_label"] <= 1.0

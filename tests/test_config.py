@@ -17,7 +17,7 @@ from specdistill.stages.build import build_trainer, trainer_config
 from tests.helpers import hydra_conf
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-STAGES = ["sft", "target_answers", "distill", "adaspec", "rollout", "acceptance_head", "evaluate"]
+STAGES = ["sft", "target_answers", "distill", "adaspec", "rollout", "acceptance_head", "evaluate", "analyse"]
 TRAINING_STAGES = ["sft", "distill", "adaspec", "acceptance_head"]
 MAX_LEAVES = 82  # the most: stage=adaspec on the tiny pair (82 since adaspec.cache_target_states)
 # options with settings the user must give (`???` paths, their own files): what these tests give them
@@ -69,7 +69,9 @@ def test_default_composes_to_the_embedded_pipeline():
     cfg = compose("train")
     assert cfg.stage.name == "pipeline" and cfg.task.name == "arith"
     assert cfg.models.tokenizer._target_.endswith("arith_tokenizer")  # the tiny pair
-    assert list(cfg.pipeline.steps) == ["sft", "distill", "adaspec", "rollout", "acceptance_head", "evaluate"]
+    assert list(cfg.pipeline.steps) == [
+        "sft", "distill", "adaspec", "rollout", "acceptance_head", "evaluate", "analyse"
+    ]  # fmt: skip
     # the tiny pair's per-stage tuning is picked by the interpolated defaults entry, in a pipeline and alone
     pythia = compose("train", overrides=["models=pythia_31m_to_1.4b"])
     assert cfg.sft.optimizer.lr != pythia.sft.optimizer.lr

@@ -109,15 +109,29 @@ def test_greedy_speculative_output_is_the_targets_generate_for_every_policy(real
     assert accepted > 0 and rejected > 0  # both verification paths ran
 
 
-def test_a_short_pipeline_on_the_real_pair_runs_through_train_py(tmp_path):
-    """experiment=smollm2_stdlib as a user runs it, shrunk to a few prompts and one optimizer step per stage: the
-    target answers stdlib prompts, both drafts distil from those answers (one target cache), rollouts label them,
-    heads train, and evaluation decodes a HumanEval prompt losslessly."""
+@pytest.fixture(scope="module")
+def local_pair_dir(real_pair, tmp_path_factory):
+    """The preset's target and tokenizer saved once as a local Hugging Face directory (safetensors): what
+    `models.source=<dir> models.gguf_file=null` loads, as a user's download of the hub model would be. Each stage
+    of a pipeline would otherwise de-quantise the GGUF again (about 35 s a stage on two cores)."""
+    tokenizer, target, *_ = real_pair
+    out = tmp_path_factory.mktemp("smollm2_local")
+    target.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def test_a_short_pipeline_on_the_real_pair_runs_through_train_py(tmp_path, local_pair_dir):
+    """experiment=smollm2_stdlib as a user runs it (the model from a local directory: the same weights, loaded as
+    the hub's), shrunk to a few prompts and one optimizer step per stage: the target answers stdlib prompts, both
+    drafts distil from those answers (one target cache), rollouts label them, heads train, evaluation decodes a
+    HumanEval prompt losslessly, and the diagnostics compare the two drafts on the validation answers."""
     from tests.helpers import check_ok, run_train
 
     run = tmp_path / "run"
     check_ok(run_train(
-        ["experiment=smollm2_stdlib", "task.max_examples.train=6", "task.max_examples.validation=2",
+        ["experiment=smollm2_stdlib", f"models.source={local_pair_dir}", "models.gguf_file=null",
+         "task.max_examples.train=6", "task.max_examples.validation=2",
          "target_answers.max_new_tokens=8", "trainer.max_steps=1", "distill.batch_size=2", "adaspec.batch_size=2",
          "rollout.num_prompts=2", "rollout.max_new_tokens=4", "acceptance_head.trainer.max_epochs=1",
          "acceptance_head.batch_size=2", "evaluate.num_prompts=1", "evaluate.selection_prompts=1",
@@ -133,10 +147,18 @@ def test_a_short_pipeline_on_the_real_pair_runs_through_train_py(tmp_path):
     assert {e["draft"] for e in report["entries"]} == {None, "distillspec", "adaspec"}
     assert any("head" in name for name in names) and any("oracle" in name for name in names)
     # the experiment turns the training-free policies off (evaluate.policies.<name>: null)
-    assert not [name for name in names if name.split("/")[-1] in ("heuristic", "confidence", "entropy")], names
+    assert not [name for name in names if name.split("/")[-1] in ("heuristic", "confidence", "entropy")], (
+        names
+    )
     outputs: dict[str, list[int]] = {}
     for line in (run / "evaluate" / "outputs.jsonl").read_text().splitlines():
         row = json.loads(line)
         outputs[row["name"]] = row["tokens"]
     baseline = outputs.pop(names[0])  # the autoregressive target's greedy output
     assert baseline and all(tokens == baseline for tokens in outputs.values()), sorted(outputs)
+    diagnostics = json.loads((run / "analyse" / "diagnostics.json").read_text())
+    assert (
+        set(diagnostics["drafts"]) == {"distillspec", "adaspec"} and diagnostics["baseline"] == "distillspec"
+    )
+    positions = {d["positions"] for d in diagnostics["drafts"].values()}
+    assert len(positions) == 1 and positions.pop() > 0  # both drafts on the same answer tokens

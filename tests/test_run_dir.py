@@ -15,7 +15,7 @@ from specdistill.utils.cluster import FINGERPRINT_FILE, run_fingerprint, sign_ch
 from specdistill.utils.run_dir import check_checkpoint, check_stage_dir, write_record
 from tests.helpers import ROOT, TINY, check_ok, run_train, stage_overrides
 
-STEPS = ["sft", "distill", "adaspec", "rollout", "acceptance_head", "evaluate"]
+STEPS = ["sft", "distill", "adaspec", "rollout", "acceptance_head", "evaluate", "analyse"]
 FAKE = [f"stage.steps.{s}.run._target_=tests.fake_stage.run" for s in STEPS]
 
 

@@ -109,3 +109,49 @@ def test_report_arguments_are_validated():
     for bad in ({"top_tokens": 0}, {"histogram_every_n_steps": 0}, {"max_stored_scores": 0}):
         with pytest.raises(ValueError, match="must be positive"):
             SelectionReport(**bad)
+
+
+class _ClassTokenizer:
+    """Token `i` decodes to one of four strings of different classes: a digit, a keyword, an identifier, a space."""
+
+    TEXTS = ("7", "if", "x", " ")
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.TEXTS[i % 4] for i in ids)
+
+
+def test_the_case_study_counts_each_token_class_and_marks_the_dropped_tokens_of_examples(tmp_path):
+    callback = SelectionReport(tokenizer=_ClassTokenizer(), histogram_every_n_steps=1, examples=2)
+    batches = make_batches(make_examples(8), 4, 1)
+    trainer = make_trainer(max_steps=2, default_root_dir=tmp_path, callbacks=[callback])
+    trainer.fit(_adaspec_module(), loader(batches))
+    report = json.loads((tmp_path / "selection_tokens.json").read_text())
+    by_class = report["by_class"]
+    assert set(by_class) <= {"digits_operators", "keyword", "identifier", "whitespace"}
+    assert sum(c["kept"] for c in by_class.values()) == report["kept_tokens"]
+    assert sum(c["kept"] + c["dropped"] for c in by_class.values()) == report["answer_tokens"]
+    kept_by_id, dropped_by_id = callback.kept_counts, callback.dropped_counts
+    digits = [i for i in range(len(kept_by_id)) if i % 4 == 0]
+    assert by_class["digits_operators"]["kept"] == int(kept_by_id[digits].sum())
+    assert by_class["digits_operators"]["dropped"] == int(dropped_by_id[digits].sum())
+    # the examples are the last sampled micro-batch's first two sequences, one mark per dropped token
+    examples = report["examples"]
+    last = batches[-1]
+    assert len(examples) == 2
+    for row, example in enumerate(examples):
+        answer = last["labels"][row, 1:][last["labels"][row, 1:] != -100].tolist()
+        assert example["kept"] + example["dropped"] == len(answer)
+        assert example["text"].count("[[") == example["dropped"] > 0
+        assert example["text"].replace("[[", "").replace("]]", "") == _ClassTokenizer().decode(answer)
+    assert (tmp_path / "selection_classes.png").stat().st_size > 5000
+    resumed = SelectionReport(examples=2)
+    resumed.load_state_dict(callback.state_dict())
+    assert resumed.example_sequences == callback.example_sequences
+
+
+def test_first_rows_marks_each_answer_tokens_first_row():
+    from specdistill.callbacks.token_selection import first_rows
+
+    # EAGLE-3-like rows: step 0 over tokens 0..2, step 1 over tokens 1..2
+    assert first_rows(torch.tensor([0, 1, 2, 1, 2])).tolist() == [True, True, True, False, False]
+    assert first_rows(torch.tensor([2, 0, 2, 0])).tolist() == [True, True, False, False]

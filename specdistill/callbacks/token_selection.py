@@ -10,8 +10,11 @@ reads that record after every training batch and:
 - counts kept and dropped tokens per vocabulary id (saved in checkpoints, so a resumed run keeps counting);
 - every `histogram_every_n_steps` optimizer steps, logs a gap histogram to the loggers that support one and keeps a
   sample for the final plot;
-- at the end of training writes into the run directory `selection_tokens.json` (tokens most often dropped / kept)
-  and `gap_histogram.png`, and sends both to W&B.
+- keeps the first `examples` sequences of the latest sampled micro-batch whose tokens were selected;
+- at the end of training writes into the run directory `selection_tokens.json` (tokens most often dropped / kept,
+  kept and dropped counts per token class with a tokenizer, and the kept examples with their dropped tokens
+  marked `[[...]]`), `gap_histogram.png` and `selection_classes.png` (kept share per token class), and sends them
+  to W&B.
 
 It only reads tensors the module already detached, so training with or without it gives the same weights.
 """
@@ -26,6 +29,8 @@ import lightning as L
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
+from specdistill.diagnostics.plots import plot_class_selection
+from specdistill.diagnostics.token_classes import class_counts
 from specdistill.selection.base import SelectionRecord
 from specdistill.utils.wandb_logger import log_report
 
@@ -40,6 +45,7 @@ class SelectionReport(L.Callback):
         histogram_every_n_steps: log a gap histogram to the logger and keep a sample for the final plot every this
             many optimizer steps (step 0 included).
         max_stored_scores: cap on the stored sample for the final plot (thinned evenly when exceeded).
+        examples: how many training sequences to show with their dropped tokens marked (0: none).
     """
 
     def __init__(
@@ -49,9 +55,15 @@ class SelectionReport(L.Callback):
         top_tokens: int = 50,
         histogram_every_n_steps: int = 50,
         max_stored_scores: int = 200_000,
+        examples: int = 3,
     ) -> None:
         if histogram_every_n_steps < 1 or top_tokens < 1 or max_stored_scores < 1:
             raise ValueError("histogram_every_n_steps, top_tokens and max_stored_scores must be positive")
+        if examples < 0:
+            raise ValueError(f"examples={examples} must be >= 0 (0 shows none)")
+        self.examples = examples
+        # the shown sequences: per sequence, its (token ids, kept flags), from the latest sampled selection
+        self.example_sequences: list[tuple[list[int], list[bool]]] = []
         self.tokenizer = tokenizer
         self.output_dir = output_dir
         self.top_tokens = top_tokens
@@ -89,6 +101,8 @@ class SelectionReport(L.Callback):
             values = record.gap if record.gap is not None else record.draft_divergence
             self._store(values.detach().float().cpu(), record.keep.cpu())
             self._log_histogram(trainer, values, step)
+            if record.scores is not None or record.gap is not None:  # a real selection, not keep-all warm-up
+                self._keep_examples(record)
 
     def _count(self, record: SelectionRecord, vocab_size: int) -> None:
         keep = record.keep
@@ -99,6 +113,23 @@ class SelectionReport(L.Callback):
         self.dropped_counts = self.dropped_counts.to(keep.device)
         self.kept_counts += torch.bincount(record.token_ids[keep], minlength=vocab_size)
         self.dropped_counts += torch.bincount(record.token_ids[~keep], minlength=vocab_size)
+
+    def _keep_examples(self, record: SelectionRecord) -> None:
+        """Keep the first `examples` sequences of `record` as (token ids, kept flags), one row per answer token."""
+        if not self.examples or record.sequence_index is None:
+            return
+        sequences, tokens, keep = record.sequence_index.cpu(), record.token_ids.cpu(), record.keep.cpu()
+        if (
+            record.answer_index is not None
+        ):  # several rows per answer token: show each token once (its first row)
+            first = first_rows(record.answer_index.cpu())
+            order = record.answer_index.cpu()[first].argsort()
+            sequences, tokens, keep = sequences[first][order], tokens[first][order], keep[first][order]
+        shown = []
+        for sequence in sequences.unique()[: self.examples].tolist():
+            rows = sequences == sequence
+            shown.append((tokens[rows].tolist(), keep[rows].tolist()))
+        self.example_sequences = shown
 
     def _log(self, pl_module: L.LightningModule, record: SelectionRecord) -> None:
         keep, draft, gap = record.keep, record.draft_divergence, record.gap
@@ -149,25 +180,51 @@ class SelectionReport(L.Callback):
             return
         out_dir = Path(self.output_dir or trainer.log_dir or trainer.default_root_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        write_token_report(out_dir / "selection_tokens.json", kept, dropped, self.tokenizer, self.top_tokens)
+        token_report = write_token_report(out_dir / "selection_tokens.json", kept, dropped, self.tokenizer,
+                                          self.top_tokens, self.example_sequences)  # fmt: skip
+        images = []
+        if token_report.get("by_class"):
+            images.append(plot_class_selection(out_dir / "selection_classes.png", token_report["by_class"],
+                                               f"token selection by class: {token_report['kept_tokens']} of "
+                                               f"{token_report['answer_tokens']} answer tokens kept"))  # fmt: skip
         kept_values = torch.cat(self._stored["kept"]) if self._stored["kept"] else torch.zeros(0)
         dropped_values = torch.cat(self._stored["dropped"]) if self._stored["dropped"] else torch.zeros(0)
         label = "gap D(p,q) - D(p,r)" if self._has_gap else "draft divergence D(p,q)"
         plot_gap_histogram(out_dir / "gap_histogram.png", kept_values, dropped_values, label)
-        # W&B gets the same report: the token table and the plot (other loggers keep the files only)
+        # W&B gets the same report: the token tables and the plots (other loggers keep the files only)
         report = json.loads((out_dir / "selection_tokens.json").read_text())
         tables = {k: v for k, v in report.items() if isinstance(v, list)}
-        log_report(trainer.logger, tables, images=[out_dir / "gap_histogram.png"], key="selection")
+        if report.get("by_class"):
+            tables["by_class"] = [{"class": name, **counts} for name, counts in report["by_class"].items()]
+        log_report(trainer.logger, tables, images=[out_dir / "gap_histogram.png", *images], key="selection")
 
     def state_dict(self) -> dict[str, Any]:
         if self.kept_counts is None:
             return {}
-        return {"kept_counts": self.kept_counts.cpu(), "dropped_counts": self.dropped_counts.cpu()}
+        return {
+            "kept_counts": self.kept_counts.cpu(),
+            "dropped_counts": self.dropped_counts.cpu(),
+            "example_tokens": [tokens for tokens, _ in self.example_sequences],
+            "example_kept": [kept for _, kept in self.example_sequences],
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict:
             self.kept_counts = state_dict["kept_counts"].clone()
             self.dropped_counts = state_dict["dropped_counts"].clone()
+            tokens, kept = state_dict.get("example_tokens", []), state_dict.get("example_kept", [])
+            self.example_sequences = [(list(t), list(k)) for t, k in zip(tokens, kept, strict=True)]
+
+
+def first_rows(answer_index: torch.Tensor) -> torch.Tensor:
+    """`(M,)` bool: True at the first row of each answer token in `answer_index` `(M,)` long."""
+    order = answer_index.argsort(stable=True)
+    ordered = answer_index[order]
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    out = torch.zeros_like(first)
+    out[order] = first
+    return out
 
 
 def _token_text(tokenizer: Any | None, token_id: int) -> str | None:
@@ -175,9 +232,16 @@ def _token_text(tokenizer: Any | None, token_id: int) -> str | None:
 
 
 def write_token_report(
-    path: Path, kept: torch.Tensor, dropped: torch.Tensor, tokenizer: Any | None, top: int
+    path: Path,
+    kept: torch.Tensor,
+    dropped: torch.Tensor,
+    tokenizer: Any | None,
+    top: int,
+    examples: list[tuple[list[int], list[bool]]] = (),
 ) -> dict[str, Any]:
-    """Write the kept/dropped token counts `(V,)` as JSON: totals plus the `top` most dropped and most kept tokens."""
+    """Write the kept/dropped token counts `(V,)` as JSON: totals, the `top` most dropped and most kept tokens and,
+    with a tokenizer, the counts per token class (`by_class`, `specdistill.diagnostics.token_classes`) and the
+    `examples` (token ids, kept flags) as text with the dropped tokens marked `[[...]]`."""
     total = kept + dropped
 
     def rows(counts: torch.Tensor) -> list[dict[str, Any]]:
@@ -202,8 +266,22 @@ def write_token_report(
         "most_dropped": rows(dropped),
         "most_kept": rows(kept),
     }
+    if tokenizer is not None:
+        seen = total.nonzero().squeeze(-1).tolist()
+        texts = [_token_text(tokenizer, i) for i in seen]
+        report["by_class"] = class_counts(texts, kept[seen].tolist(), dropped[seen].tolist()) if seen else {}
+        report["examples"] = [marked_example(tokenizer, ids, flags) for ids, flags in examples]
     path.write_text(json.dumps(report, indent=2, ensure_ascii=False))
     return report
+
+
+def marked_example(tokenizer: Any, token_ids: list[int], kept: list[bool]) -> dict[str, Any]:
+    """One training sequence's answer tokens as text, each dropped token wrapped in `[[...]]`, with its counts."""
+    text = "".join(
+        piece if flag else f"[[{piece}]]"
+        for piece, flag in zip((tokenizer.decode([i]) for i in token_ids), kept, strict=True)
+    )
+    return {"text": text, "kept": sum(kept), "dropped": len(kept) - sum(kept)}
 
 
 def plot_gap_histogram(path: Path, kept: torch.Tensor, dropped: torch.Tensor, label: str) -> None:

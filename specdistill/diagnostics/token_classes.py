@@ -71,9 +71,33 @@ def kept_dropped_by_class(
         raise ValueError(
             f"kept must hold Python bools, got {type(bad).__name__}; pass mask.tolist() for a tensor"
         )
+    return class_counts(token_texts, [int(flag) for flag in kept], [int(not flag) for flag in kept])
+
+
+def class_counts(
+    token_texts: Sequence[str], kept: Sequence[int], dropped: Sequence[int]
+) -> dict[str, dict[str, int | float]]:
+    """Kept and dropped counts per token class, from per-token counts (e.g. one row per vocabulary id).
+
+    Args:
+        token_texts: `N` decoded token strings.
+        kept, dropped: `N` non-negative counts each: how often that token was kept / dropped.
+
+    Returns:
+        As `kept_dropped_by_class`: for each class with a count, in `TOKEN_CLASSES` order, `{"kept", "dropped",
+        "kept_fraction"}`.
+    """
+    if not len(token_texts) == len(kept) == len(dropped):
+        raise ValueError(
+            f"class_counts needs one kept and one dropped count per token: {len(token_texts)} tokens, {len(kept)} "
+            f"kept and {len(dropped)} dropped counts"
+        )
     counts = {name: [0, 0] for name in TOKEN_CLASSES}
-    for text, flag in zip(token_texts, kept, strict=True):
-        counts[token_class(text)][0 if flag else 1] += 1
+    for text, k, d in zip(token_texts, kept, dropped, strict=True):
+        if k < 0 or d < 0:
+            raise ValueError(f"class_counts got a negative count (kept {k}, dropped {d}) for token {text!r}")
+        counts[token_class(text)][0] += int(k)
+        counts[token_class(text)][1] += int(d)
     return {
         name: {"kept": k, "dropped": d, "kept_fraction": k / (k + d)}
         for name, (k, d) in counts.items()

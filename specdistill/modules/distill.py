@@ -255,7 +255,9 @@ class DistillModule(LightningModule):
         if self.uses_reference and not self.reference.scores_step(self.global_step):
             # a self-reference still as young as the draft: plain distillation until it is old enough
             keep = torch.ones_like(draft_divergence, dtype=torch.bool)
-            self.last_selection = SelectionRecord(keep, None, draft_divergence, None, token_ids)
+            self.last_selection = SelectionRecord(
+                keep, None, draft_divergence, None, token_ids, sequence_index, answer_index
+            )
             return None, normaliser
         reference_divergence = None
         if self.uses_reference and self.reference.per_row:
@@ -264,8 +266,9 @@ class DistillModule(LightningModule):
             reference_divergence = self.reference.score(batch, answers, target.rows)
         selection = self.selector.select(draft_divergence, reference_divergence, sequence_index, normaliser)
         self.last_selection = SelectionRecord(
-            selection.keep, selection.scores, draft_divergence, reference_divergence, token_ids
-        )
+            selection.keep, selection.scores, draft_divergence, reference_divergence, token_ids, sequence_index,
+            answer_index,
+        )  # fmt: skip
         return selection.keep, selection.normaliser
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:

@@ -40,6 +40,9 @@ class SelectionRecord:
         draft_divergence: `(N,)` the training divergence D(p, q) per answer token.
         reference_divergence: `(N,)` D(p, r) per answer token when the selector used a reference, else None.
         token_ids: `(N,)` long, the label (next token) at each answer position.
+        sequence_index: `(N,)` long, the micro-batch row (sequence) of each answer position, or None.
+        answer_index: `(N,)` long, the answer token each row belongs to when a draft kind trains on several rows
+            per answer token (`TrainingRows.answer_index`, e.g. EAGLE-3's unrolled steps), else None.
     """
 
     keep: torch.Tensor
@@ -47,6 +50,8 @@ class SelectionRecord:
     draft_divergence: torch.Tensor
     reference_divergence: torch.Tensor | None
     token_ids: torch.Tensor
+    sequence_index: torch.Tensor | None = None
+    answer_index: torch.Tensor | None = None
 
     @property
     def gap(self) -> torch.Tensor | None:

@@ -408,6 +408,34 @@ class RolloutSettings(StageSettings):
 
 
 @dataclass(frozen=True, kw_only=True)
+class AnalyseSettings(StageSettings):
+    """Token-level diagnostics of every draft against the target on the same answers (docs/METHODS.md section 3)."""
+
+    group: ClassVar[str] = "analyse"
+    drafts: dict[str, str]
+    """Name -> draft export directory (a pipeline fills them); {}: models.draft."""
+    baseline: str | None
+    """The draft the others are compared with in the paper's directions (e.g. distillspec); null: none."""
+    split: str
+    """The split whose answers are teacher-forced (never test: the diagnostics are not the reported metric)."""
+    max_examples: int | None
+    """The first this many examples of `split` (null: all)."""
+    batch_size: int
+    """Examples per forward pass."""
+    max_length: int
+    """Tokens per example (prompt and answer), as in training."""
+    device: str
+    """auto: cuda when available, else cpu."""
+
+    def __post_init__(self) -> None:
+        where = self.group
+        check_choice(where, "split", self.split, ("validation", "train"))
+        check_count(where, "max_examples", self.max_examples, optional=True)
+        for key in ("batch_size", "max_length"):
+            check_count(where, key, getattr(self, key))
+
+
+@dataclass(frozen=True, kw_only=True)
 class HeadPolicyGrid:
     """`evaluate.acceptance_head`: one policy per threshold h, stop once 1 - prod(acceptance) > h."""
 
