@@ -22,6 +22,7 @@ import argparse
 import csv
 import fnmatch
 import json
+import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -229,8 +230,14 @@ def log_to_wandb(
         columns = columns_of(records)
         return wandb.Table(columns=columns, data=[[_cell_value(r.get(c)) for c in columns] for r in records])
 
+    # the run's files go beside the sweep's (collect skips `wandb/`), or under WANDB_DIR where that is set; passed
+    # explicitly because wandb reads WANDB_DIR once per process, at its first run
     run = wandb.init(
-        project=project, name=f"collect:{sweep_dir.name}", job_type="collect", reinit="finish_previous"
+        project=project,
+        name=f"collect:{sweep_dir.name}",
+        job_type="collect",
+        dir=os.environ.get("WANDB_DIR") or str(sweep_dir),
+        reinit="finish_previous",
     )
     payload = {"sweep/jobs": table(rows)}
     if summary:

@@ -146,3 +146,13 @@ def test_summary_is_logged_to_wandb_as_a_table(sweep: Path, tmp_path: Path, monk
     rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]
     kl = next(r for r in rows if r["metric"] == "adaspec/val/kl" and r["selector"] == "none")
     assert kl["mean"] == pytest.approx(statistics.mean(KL["none", s] for s in range(3)))
+
+
+def test_without_wandb_dir_the_summary_run_lands_beside_the_sweep(sweep: Path, monkeypatch, capsys):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    assert main([str(sweep), "--wandb", "specdistill-test"]) == 0
+    printed = capsys.readouterr().err
+    run_dir = next((sweep / "wandb").glob("offline-run-*"))
+    assert f"W&B: {run_dir / 'files'}" in printed
