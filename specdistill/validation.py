@@ -146,8 +146,8 @@ def check_reference_given(cfg: DictConfig) -> None:
         settings = cfg.get(stage)
         if settings is None or "reference" not in settings or settings.reference:
             continue
-        if stage == "adaspec" and _self_referencing(cfg):
-            continue  # the draft's own earlier weights score
+        if stage == "adaspec" and _adaspec_reference_source(cfg) in (None, "self"):
+            continue  # no reference read, or the draft's own earlier weights score
         if f"{stage}.reference" in filled_by_earlier_steps(cfg, stage):
             continue
         raise ConfigError(
@@ -156,26 +156,28 @@ def check_reference_given(cfg: DictConfig) -> None:
         )
 
 
-def _self_referencing(cfg: DictConfig) -> bool:
-    from specdistill.stages.adaspec import is_self_referencing
+def _adaspec_reference_source(cfg: DictConfig) -> str | None:
+    """Where the adaspec stage's reference divergence comes from (`specdistill.stages.adaspec.reference_source`)."""
+    from specdistill.stages.adaspec import is_self_referencing, reference_source
+    from specdistill.stages.build import draft_kind
 
-    return is_self_referencing(cfg)
+    if cfg.get("selector") is None:
+        return None
+    needs_reference = bool(getattr(get_class(cfg.selector._target_), "needs_reference", False))
+    per_row = not draft_kind(cfg).one_row_per_token
+    return reference_source(
+        needs_reference, is_self_referencing(cfg), per_row, bool(cfg.adaspec.cached_scores)
+    )
 
 
 def check_reference_rows(cfg: DictConfig) -> None:
     """AdaSPEC on a draft kind with several training rows per answer token (EAGLE-3) scores its reference online:
     refuse `adaspec.cached_scores=true` before the distill step has trained for an hour."""
-    if "adaspec" not in running_stages(cfg) or cfg.get("adaspec") is None or cfg.get("selector") is None:
+    if "adaspec" not in running_stages(cfg) or cfg.get("adaspec") is None:
         return
-    from specdistill.stages.adaspec import check_per_row_reference
-    from specdistill.stages.build import draft_kind
+    from specdistill.stages.adaspec import check_reference_source
 
-    if _self_referencing(cfg):
-        return  # scored online by the draft's own earlier weights
-
-    needs_reference = bool(getattr(get_class(cfg.selector._target_), "needs_reference", False))
-    per_row = needs_reference and not draft_kind(cfg).one_row_per_token
-    check_per_row_reference(build_settings(cfg, "adaspec"), per_row)
+    check_reference_source(_adaspec_reference_source(cfg), bool(cfg.adaspec.cached_scores))
 
 
 def check_target_states(cfg: DictConfig) -> None:

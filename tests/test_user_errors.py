@@ -118,6 +118,24 @@ def test_adaspec_without_reference_is_refused_before_loading_unless_a_pipeline_s
     with pytest.raises(ConfigError, match="adaspec.reference is not set"):
         validate_config(composed("pipeline.steps=[sft,adaspec]"))
     validate_config(composed())  # the default pipeline: distill fills it
+    validate_config(composed("stage=adaspec", "selector=none"))  # a selector that reads no reference needs none
+    validate_config(composed("stage=adaspec", "selector=adaspec_lagged"))  # the draft's own earlier weights score
+
+
+@pytest.mark.parametrize(
+    ("needs", "self_referencing", "per_row", "cached", "source"),
+    [
+        (False, False, True, True, None),
+        (True, True, True, True, "self"),
+        (True, False, True, False, "kind"),
+        (True, False, False, True, "cached"),
+        (True, False, False, False, "online"),
+    ],
+)
+def test_the_reference_source_is_one_of_five(needs, self_referencing, per_row, cached, source):
+    from specdistill.stages.adaspec import reference_source
+
+    assert reference_source(needs, self_referencing, per_row, cached) == source
 
 
 def test_max_steps_zero_is_refused_instead_of_exporting_an_untrained_draft():

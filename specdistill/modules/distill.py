@@ -178,15 +178,15 @@ class DistillModule(LightningModule):
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         """Let a self-reference follow the draft with the weights this step started from."""
-        if self.uses_reference and hasattr(self.reference, "before_optimizer_step"):
+        if self.uses_reference and self.reference.follows_draft:
             self.reference.before_optimizer_step(self.draft, self.trainer.global_step)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.uses_reference and hasattr(self.reference, "state_dict"):
+        if self.uses_reference and self.reference.follows_draft:
             checkpoint["self_reference"] = self.reference.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.uses_reference and hasattr(self.reference, "load_state_dict"):
+        if self.uses_reference and self.reference.follows_draft:
             if "self_reference" not in checkpoint:
                 raise ValueError(
                     "this run's selector scores with a self-reference, but the checkpoint holds none: it was written "

@@ -52,9 +52,11 @@ class ReferenceScores:
     """Base of the providers: `score` per micro-batch, and device placement (nothing to place by default).
 
     `per_row` False: the provider scores answer tokens (`score`); True: the draft kind's training rows
-    (`score_rows`)."""
+    (`score_rows`). `follows_draft` True: the provider is built from the draft being trained and follows it
+    (`before_optimizer_step`), and its state travels in the checkpoint (`state_dict`, `load_state_dict`)."""
 
     per_row = False
+    follows_draft = False
 
     def score(self, batch: Mapping[str, Any], answer_mask: torch.Tensor, target_rows: Any) -> torch.Tensor:
         """D(p, r) per answer token: `(B, T-1)` bool mask and the target's N answer rows -> `(N,)` float32."""
@@ -78,6 +80,16 @@ class ReferenceScores:
 
     def to(self, device: torch.device | str) -> None:
         """Move whatever the provider runs to `device` (used outside a Trainer)."""
+
+    def before_optimizer_step(self, draft: nn.Module, step: int) -> None:
+        """Follow `draft` before optimizer step `step` (`follows_draft` providers; nothing by default)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the provider (`follows_draft` providers; nothing by default)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what `state_dict` returned (`follows_draft` providers; nothing by default)."""
 
 
 class _FrozenReference(ReferenceScores):

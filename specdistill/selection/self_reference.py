@@ -50,6 +50,8 @@ class SelfReference(ReferenceScores):
         warmup_steps: `ema`: steps of plain distillation before the EMA scores, >= 1.
     """
 
+    follows_draft = True
+
     def __init__(
         self,
         draft: nn.Module,

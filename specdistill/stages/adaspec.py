@@ -27,13 +27,22 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
 
 from specdistill.callbacks.token_selection import SelectionReport
+from specdistill.data.datamodule import TaskDataModule
 from specdistill.data.target_cache import CacheOnceTarget
 from specdistill.drafts import load_draft
+from specdistill.drafts.base import DraftKind
 from specdistill.errors import ConfigError
+from specdistill.losses.divergence import Divergence
 from specdistill.models import ModelSpec
 from specdistill.models.frozen import Frozen
 from specdistill.modules.distill import DistillModule
-from specdistill.selection.reference import KindReference, OnlineReference, ScoreOnceReference
+from specdistill.selection.base import Selector
+from specdistill.selection.reference import (
+    KindReference,
+    OnlineReference,
+    ReferenceScores,
+    ScoreOnceReference,
+)
 from specdistill.selection.self_reference import SelfReference
 from specdistill.stages.build import (
     build_trainer,
@@ -112,10 +121,31 @@ def is_self_referencing(cfg: DictConfig) -> bool:
     return selector is not None and selector.get("self_reference") is not None
 
 
-def check_per_row_reference(settings: AdaSpecSettings, per_row: bool) -> None:
+def reference_source(
+    needs_reference: bool, self_referencing: bool, per_row: bool, cached_scores: bool
+) -> str | None:
+    """Where the selector's reference divergence D(p, r) comes from:
+
+    - None: the selector reads no reference (nothing is loaded);
+    - `self`: the draft's own earlier weights, online (`SelfReference`; no reference model);
+    - `kind`: a reference of the draft's kind scored online on the draft's training rows (`KindReference`: an
+      EAGLE-3 head, several rows per answer token);
+    - `cached`: the reference LM scores the train split once at fit start (`ScoreOnceReference`);
+    - `online`: the reference LM scores every micro-batch (`OnlineReference`).
+    """
+    if not needs_reference:
+        return None
+    if self_referencing:
+        return "self"
+    if per_row:
+        return "kind"
+    return "cached" if cached_scores else "online"
+
+
+def check_reference_source(source: str | None, cached_scores: bool) -> None:
     """A draft kind with several training rows per answer token (EAGLE-3) is scored by its reference online, row
     by row: refuse the per-token score cache for it."""
-    if per_row and settings.cached_scores:
+    if source == "kind" and cached_scores:
         raise ConfigError(
             "adaspec.cached_scores=true caches one reference score per answer token, but this draft kind trains "
             "on several rows per answer token (EAGLE-3: one per unrolled step), which its reference head scores "
@@ -123,37 +153,74 @@ def check_per_row_reference(settings: AdaSpecSettings, per_row: bool) -> None:
         )
 
 
+def build_reference(
+    source: str | None,
+    models: dict,
+    kind: DraftKind,
+    selector: Selector,
+    divergence: Divergence,
+    vocab_size: int,
+    scores_dir: Path,
+    datamodule: TaskDataModule,
+    target: Frozen | None,
+) -> ReferenceScores | None:
+    """The provider of D(p, r) for `source` (`reference_source`); `models` holds the draft, and the reference
+    model where the source runs one; `target`: the frozen target a cached scoring pass shares, if any."""
+    if source is None:
+        return None
+    if source == "self":
+        # the draft's own earlier weights score, online (a cache cannot hold scores of weights that keep moving)
+        log.info("AdaSPEC with a %s self-reference: no reference model is loaded", selector.self_reference)
+        scorer = (
+            functools.partial(KindReference, kind=kind) if not kind.one_row_per_token else OnlineReference
+        )
+        return SelfReference(
+            models["draft"], lambda model: scorer(model, divergence=divergence, vocab_size=vocab_size),
+            mode=selector.self_reference, every=selector.every, decay=selector.decay,
+            warmup_steps=selector.warmup_steps,
+        )  # fmt: skip
+    if source == "kind":
+        return KindReference(models["reference"], kind, divergence, vocab_size)
+    if source == "cached":
+        # scored at fit start, on the devices the Trainer gives the target, every rank a shard of the train split
+        return ScoreOnceReference(
+            models["reference"], divergence, vocab_size, scores_dir, datamodule, target=target
+        )
+    return OnlineReference(models["reference"], divergence, vocab_size)
+
+
 def run(cfg: DictConfig, out_dir: Path) -> dict:
     settings = build_settings(cfg, "adaspec")
+    k = settings.k  # in (0, 1], checked by AdaSpecSettings
+    kind = draft_kind(cfg)
+    selector = instantiate(cfg.selector, k=k)
     self_referencing = is_self_referencing(cfg)
-    if not settings.reference and not self_referencing:
+    source = reference_source(
+        bool(selector.needs_reference), self_referencing, not kind.one_row_per_token, settings.cached_scores
+    )
+    if source not in (None, "self") and not settings.reference:
         raise ValueError(
             "adaspec.reference is not set: pass the export directory of a `distill` run "
             "(adaspec.reference=<distill_run_dir>/export), or run stage=pipeline which wires it."
         )
-    k = settings.k  # in (0, 1], checked by AdaSpecSettings
+    check_reference_source(source, settings.cached_scores)
     trainer_cfg = trainer_config(cfg, "adaspec")
     baseline = None
     if settings.compute_matched:
         settings, trainer_cfg, baseline = compute_matched(settings, trainer_cfg)
     seed_everything(cfg)
     reference_spec = None
-    if not self_referencing:
+    if source not in (None, "self"):
         reference_spec = ModelSpec(
             pretrained_model_name_or_path=settings.reference, dtype=cfg.models.draft.get("dtype", "float32")
         )
-    kind = draft_kind(cfg)
-    selector = instantiate(cfg.selector, k=k)
-    per_row = selector.needs_reference and not kind.one_row_per_token
-    if not self_referencing:
-        check_per_row_reference(settings, per_row)
     specs = {"target": model_spec(cfg.models.target)}
-    if not per_row and not self_referencing:
+    if source in ("cached", "online"):
         specs["reference"] = reference_spec
     tokenizer, models, vocab_size = load_models(cfg, specs, drafts=dict.fromkeys(TRAINED_ROLES, kind))
     datamodule = training_datamodule(cfg, tokenizer, settings, trainer_cfg)
     kind.prepare(models["draft"], datamodule)
-    if per_row and not self_referencing:
+    if source == "kind":
         # a reference of the draft's kind (an EAGLE-3 head reads the target), scored on the draft's own rows
         models["reference"] = load_draft(reference_spec, vocab_size, target=models["target"]).model
         kind.check_reference(models["draft"], models["reference"])
@@ -171,26 +238,10 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
             frozen_target, settings.target_cache_path(out_dir), tokenizer, datamodule, vocab_size,
             m=int(settings.cached_target),
         )  # fmt: skip
-    reference = None
-    if self_referencing:
-        # the draft's own earlier weights score, online (a cache cannot hold scores of weights that keep moving)
-        log.info("AdaSPEC with a %s self-reference: no reference model is loaded", selector.self_reference)
-        scorer = functools.partial(KindReference, kind=kind) if per_row else OnlineReference
-        reference = SelfReference(
-            models["draft"], lambda model: scorer(model, divergence=divergence, vocab_size=vocab_size),
-            mode=selector.self_reference, every=selector.every, decay=selector.decay,
-            warmup_steps=selector.warmup_steps,
-        )  # fmt: skip
-    elif per_row:
-        reference = KindReference(models["reference"], kind, divergence, vocab_size)
-    elif selector.needs_reference and settings.cached_scores:
-        # scored at fit start, on the devices the Trainer gives the target, every rank a shard of the train split
-        reference = ScoreOnceReference(
-            models["reference"], divergence, vocab_size, out_dir / "reference_scores", datamodule,
-            target=frozen_target,
-        )  # fmt: skip
-    elif selector.needs_reference:
-        reference = OnlineReference(models["reference"], divergence, vocab_size)
+    reference = build_reference(
+        source, models, kind, selector, divergence, vocab_size, out_dir / "reference_scores", datamodule,
+        frozen_target,
+    )  # fmt: skip
     del frozen_target  # the fit-start passes release the target when done: nothing else may keep it in memory
     module = DistillModule(
         draft=models["draft"],
