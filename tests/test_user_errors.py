@@ -118,8 +118,9 @@ def test_adaspec_without_reference_is_refused_before_loading_unless_a_pipeline_s
     with pytest.raises(ConfigError, match="adaspec.reference is not set"):
         validate_config(composed("pipeline.steps=[sft,adaspec]"))
     validate_config(composed())  # the default pipeline: distill fills it
-    validate_config(composed("stage=adaspec", "selector=none"))  # a selector that reads no reference needs none
-    validate_config(composed("stage=adaspec", "selector=adaspec_lagged"))  # the draft's own earlier weights score
+    # a selector that reads no reference needs none; a self-reference scores with the draft's own earlier weights
+    validate_config(composed("stage=adaspec", "selector=none"))
+    validate_config(composed("stage=adaspec", "selector=adaspec_lagged"))
 
 
 @pytest.mark.parametrize(
