@@ -38,6 +38,10 @@ def _remove_session_cache():
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 
+    # the files with end-to-end (`slow`) tests first: `-n 2 --dist loadfile` hands files out in this order, so the
+    # long ones start at once and the short ones fill in at the end instead of one worker finishing a long file alone
+    slow_files = {item.path for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: item.path not in slow_files)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
