@@ -48,9 +48,11 @@ def validate_config(cfg: DictConfig) -> None:
 
 
 def running_stages(cfg: DictConfig) -> list[str]:
-    """The stages this launch runs: the pipeline's steps, or the one stage."""
-    if cfg.stage.get("steps") is not None and "pipeline" in cfg:
-        return [str(s) for s in cfg.pipeline.steps]
+    """The stages this launch runs: the pipeline's steps, or the one stage (stage=sequential declares the steps of
+    its phases but names none: its phases' own settings are checked when each phase starts)."""
+    steps = cfg.pipeline.get("steps") if "pipeline" in cfg else None
+    if cfg.stage.get("steps") is not None and steps is not None:
+        return [str(s) for s in steps]
     return [str(cfg.stage.name)]
 
 

@@ -203,3 +203,15 @@ def test_kept_dropped_by_class_rejects_bad_input():
         kept_dropped_by_class(["a", "b"], [1, 0])
     with pytest.raises(ValueError, match=r"\(N,\) bool tensor"):
         kept_dropped_by_class(["a", "b"], torch.tensor([1, 0]))
+
+
+def test_acceptance_is_one_for_the_targets_own_logits_and_the_overlap_otherwise():
+    from specdistill.diagnostics.positions import position_diagnostics
+
+    target = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]))
+    same = position_diagnostics(target.clone(), target)
+    assert torch.allclose(same.acceptance, torch.ones(2))
+    # a draft that cannot propose token 2 (an EAGLE-3 vocabulary): q = (0.5, 0.5, 0) in every row
+    draft = torch.tensor([[0.0, 0.0, -math.inf], [0.0, 0.0, -math.inf]])
+    restricted = position_diagnostics(draft, target)
+    assert torch.allclose(restricted.acceptance, torch.tensor([0.5 + 0.3, 0.1 + 0.1]))

@@ -20,6 +20,7 @@ from specdistill.diagnostics.checks import check_logit_pair
 from specdistill.diagnostics.kl import per_token_kl
 from specdistill.diagnostics.margins import SignedMargins, margin_summary, signed_margins
 from specdistill.diagnostics.summary import summarise
+from specdistill.losses.divergence import expected_acceptance
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,8 @@ class PositionDiagnostics:
         agree: `(M,)` bool, the draft's argmax is the target's, at the `M <= N` positions with a margin.
         margin: `(M,)` the signed margin there (`specdistill.diagnostics.margins`).
         kl: `(N,)` forward KL(target || draft) over the draft's support, at every position.
+        acceptance: `(N,)` the probability that speculative sampling accepts the draft's token there,
+            sum_v min(p, q) over the whole vocabulary (a token the draft cannot propose has q = 0).
         outside_support: how many of the `N` positions have a target argmax the draft cannot propose.
         restricted: True when the draft's support is smaller than the vocabulary (KL over the support).
     """
@@ -37,6 +40,7 @@ class PositionDiagnostics:
     agree: torch.Tensor
     margin: torch.Tensor
     kl: torch.Tensor
+    acceptance: torch.Tensor
     outside_support: int
     restricted: bool
 
@@ -86,6 +90,7 @@ def position_diagnostics(draft_logits: torch.Tensor, target_logits: torch.Tensor
         agree=signed.agree.cpu(),
         margin=signed.margin.cpu(),
         kl=kl.float().cpu(),
+        acceptance=expected_acceptance(target_logits, draft_logits).cpu(),
         outside_support=int((~inside).sum()),
         restricted=restricted,
     )
@@ -99,6 +104,7 @@ def concatenate(parts: Sequence[PositionDiagnostics]) -> PositionDiagnostics:
         agree=torch.cat([p.agree for p in parts]),
         margin=torch.cat([p.margin for p in parts]),
         kl=torch.cat([p.kl for p in parts]),
+        acceptance=torch.cat([p.acceptance for p in parts]),
         outside_support=sum(p.outside_support for p in parts),
         restricted=any(p.restricted for p in parts),
     )
@@ -111,7 +117,7 @@ def summarise_positions(diagnostics: PositionDiagnostics) -> dict:
         `positions` (N), `outside_support`, `kl_over_draft_support` (bool), `agreement` (share of the positions
         with a margin where the argmaxes agree, None when none has one), `margins` (`margin_summary`, or None),
         `margin_agree` / `margin_disagree` (`summarise` of the margins on each side, None when a side is empty) and
-        `kl` (`summarise` of the per-token KL).
+        `kl` (`summarise` of the per-token KL) and `expected_acceptance` (the mean acceptance probability).
     """
     agree, margin = diagnostics.agree, diagnostics.margin
     has_margins = margin.numel() > 0
@@ -124,6 +130,7 @@ def summarise_positions(diagnostics: PositionDiagnostics) -> dict:
         "margin_agree": summarise(margin[agree]) if bool(agree.any()) else None,
         "margin_disagree": summarise(margin[~agree]) if bool((~agree).any()) else None,
         "kl": summarise(diagnostics.kl),
+        "expected_acceptance": float(diagnostics.acceptance.double().mean()),
     }
 
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from specdistill.errors import ConfigError
 from specdistill.export.hf import export_pretrained
 from specdistill.losses.rows import HiddenRows, OutputHead, answer_rows, final_hidden_states
 from specdistill.losses.sparse import SparseRows
@@ -142,6 +143,14 @@ class DraftKind:
         """The checkpoints this kind loads its draft from, by role name (their tokenizers are checked against the
         pair's); none by default."""
         return {}
+
+    def continued_from(self, export: str) -> DraftKind:
+        """This kind, building its draft from the earlier export `export` instead (`<stage>.init`); a kind whose
+        draft is built from the target refuses."""
+        raise ConfigError(
+            f"the draft kind {type(self).__name__} builds its draft from the target and cannot continue from an "
+            f"export ({export}) yet: use the standalone draft (no draft= override) for init and stage=sequential"
+        )
 
     def build(self, target: nn.Module | None, vocab_size: int, pure_bf16: bool = False) -> nn.Module:
         """The trainable draft a training stage starts from, with fp32 weights (bfloat16 under `pure_bf16`).

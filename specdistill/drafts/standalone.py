@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import nn
 
 from specdistill.drafts.base import DraftKind
@@ -24,6 +26,12 @@ class Standalone(DraftKind):
 
     def specs(self, role: str) -> dict[str, ModelSpec]:
         return {role: self._spec()}
+
+    def continued_from(self, export: str) -> Standalone:
+        """The same draft settings (dtype), its weights and config from the export directory `export`."""
+        return Standalone(
+            replace(self._spec(), pretrained_model_name_or_path=export, gguf_file=None, config=None, revision=None)
+        )
 
     def build(self, target: nn.Module | None, vocab_size: int, pure_bf16: bool = False) -> nn.Module:
         """`load_model` of `spec` with fp32 master weights (bfloat16 under `pure_bf16`); the target is unused."""

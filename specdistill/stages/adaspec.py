@@ -192,7 +192,7 @@ def build_reference(
 def run(cfg: DictConfig, out_dir: Path) -> dict:
     settings = build_settings(cfg, "adaspec")
     k = settings.k  # in (0, 1], checked by AdaSpecSettings
-    kind = draft_kind(cfg)
+    kind = draft_kind(cfg, settings.init)
     selector = instantiate(cfg.selector, k=k)
     self_referencing = is_self_referencing(cfg)
     source = reference_source(

@@ -137,6 +137,7 @@ def headline_row(summary: dict[str, Any]) -> dict[str, float | int | None]:
         "mean_negative_margin": margins.get("mean_negative_margin"),
         "kl_mean": summary["kl"]["mean"],
         "kl_median": summary["kl"]["median"],
+        "expected_acceptance": summary["expected_acceptance"],
     }
 
 

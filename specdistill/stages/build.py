@@ -66,14 +66,16 @@ def shared_tokenizer(cfg: DictConfig, specs: dict[str, ModelSpec]) -> PreTrained
     return tokenizer
 
 
-def draft_kind(cfg: DictConfig) -> DraftKind:
-    """The run's draft kind, `cfg.draft` (`draft=<kind>`: conf/draft/<kind>.yaml).
+def draft_kind(cfg: DictConfig, init: str | None = None) -> DraftKind:
+    """The run's draft kind, `cfg.draft` (`draft=<kind>`: conf/draft/<kind>.yaml), continuing from the export `init`
+    when one is given (`<stage>.init`; `DraftKind.continued_from`).
 
     With no kind chosen (the default, so every existing config composes as before) the draft is `Standalone`, the
     pair's `models.draft`, exactly what `draft=standalone` builds.
     """
     node = cfg.get("draft")
-    return Standalone(model_spec(cfg.models.draft)) if node is None else instantiate(node)
+    kind = Standalone(model_spec(cfg.models.draft)) if node is None else instantiate(node)
+    return kind if init is None else kind.continued_from(init)
 
 
 def _check_placement(specs: Mapping[str, ModelSpec], placed_roles: tuple[str, ...]) -> None:

@@ -46,7 +46,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     settings = build_settings(cfg, "distill")
     trainer_cfg = trainer_config(cfg, "distill")
     seed_everything(cfg)
-    kind = draft_kind(cfg)
+    kind = draft_kind(cfg, settings.init)
     specs = {"target": model_spec(cfg.models.target)}
     tokenizer, models, vocab_size = load_models(cfg, specs, drafts=dict.fromkeys(TRAINED_ROLES, kind))
     datamodule = training_datamodule(cfg, tokenizer, settings, trainer_cfg)

@@ -230,6 +230,9 @@ class DistillSettings(TaskTrainingSettings):
     target's body in training (null: off); large, see specdistill/data/target_states.py."""
     select_best: str | None = None
     """A validation metric (e.g. val/expected_acceptance): export the best validation epoch (optimal-epoch regime)."""
+    init: str | None = None
+    """An export directory the draft continues from (a standalone draft: e.g. the previous phase's draft in
+    stage=sequential); null: the pair's `models.draft`."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -429,6 +432,46 @@ class AnalyseSettings(StageSettings):
 
     def __post_init__(self) -> None:
         where = self.group
+        check_choice(where, "split", self.split, ("validation", "train"))
+        check_count(where, "max_examples", self.max_examples, optional=True)
+        for key in ("batch_size", "max_length"):
+            check_count(where, key, getattr(self, key))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SequentialSettings(StageSettings):
+    """Sequential multi-task distillation: DistillSpec and AdaSPEC on one task, then the next, each task's
+    acceptance measured after every phase (specdistill/stages/sequential.py)."""
+
+    group: ClassVar[str] = "sequential"
+    phases: list[str]
+    """The tasks in training order, by their names in `tasks` (at least two, each once)."""
+    tasks: dict[str, Any]
+    """Name -> task config (composed from conf/task/, e.g. `/task@sequential.tasks.math: arith`)."""
+    split: str
+    """The split whose answers measure each task's acceptance (validation or train; never test)."""
+    max_examples: int | None
+    """The first this many examples of `split` per task (null: all)."""
+    batch_size: int
+    """Examples per forward pass of the measurement."""
+    max_length: int
+    """Tokens per example (prompt and answer) in the measurement, as in training."""
+    device: str
+    """auto: cuda when available, else cpu."""
+
+    def __post_init__(self) -> None:
+        where = self.group
+        if len(self.phases) < 2 or len(set(self.phases)) != len(self.phases):
+            raise ConfigError(
+                f"{where}.phases={list(self.phases)}: sequential training needs at least two tasks, each named once "
+                f"(e.g. {where}.phases=[code,math])"
+            )
+        unknown = [name for name in self.phases if name not in self.tasks]
+        if unknown:
+            raise ConfigError(
+                f"{where}.phases names {unknown}, which {where}.tasks does not hold (it holds {sorted(self.tasks)}); "
+                f"add one with +{where}.tasks.<name>=... or a defaults entry /task@{where}.tasks.<name>: <task>"
+            )
         check_choice(where, "split", self.split, ("validation", "train"))
         check_count(where, "max_examples", self.max_examples, optional=True)
         for key in ("batch_size", "max_length"):

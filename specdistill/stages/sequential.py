@@ -1,0 +1,168 @@
+"""Stage `sequential`: distil on one task, then on the next, and measure forgetting (docs/METHODS.md section 3).
+
+The AdaSPEC paper's sequential multi-task experiment (MBPP, then GSM8K): each phase is a two-step pipeline run in
+`<run_dir>/sequential/<i>_<task>/` on that phase's task (`sequential.tasks.<task>`), `distill` (DistillSpec) then
+`adaspec` with that phase's DistillSpec draft as its reference, exactly as the default pipeline wires them. Each
+method's draft continues from its own draft of the previous phase (`distill.init`, `adaspec.init`). Being a
+pipeline, a phase resumes like one: a re-launch reuses finished phases and steps and resumes the unfinished step
+from its last checkpoint.
+
+After the last phase, every phase's two drafts are teacher-forced on every task's `sequential.split` answers
+against the target (`specdistill.stages.analyse.diagnose`): the expected acceptance sum_v min(p, q) (the chance that
+speculative sampling accepts a draft token, at the same prefix) and the greedy agreement. Forgetting of a task is its
+acceptance after its own phase minus its acceptance after the last phase. Writes `forgetting.json` (every row and
+the forgetting), `forgetting.txt` (the table), W&B tables and `result.json` (`<method>/<task>/after_<phase>/...`,
+`<method>/<task>/forgetting`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, open_dict
+
+from specdistill.diagnostics.positions import summarise_positions
+from specdistill.stages import pipeline
+from specdistill.stages.analyse import diagnose
+from specdistill.stages.build import (
+    build_datamodule,
+    load_frozen_target_and_drafts,
+    named_drafts,
+    pick_device,
+    seed_everything,
+    stage_logger,
+    write_result,
+)
+from specdistill.stages.settings import SequentialSettings, build_settings
+from specdistill.utils.atomic import atomic_write_text
+from specdistill.utils.wandb_logger import log_report, log_summary
+
+# method -> the phase pipeline's step that trains it (its `init` continues the method's previous draft)
+METHOD_STEPS = {"distillspec": "distill", "adaspec": "adaspec"}
+
+
+def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
+    settings: SequentialSettings = build_settings(cfg, "sequential")
+    exports: dict[str, str | None] = dict.fromkeys(METHOD_STEPS)
+    trained: list[tuple[str, dict[str, str]]] = []  # (phase task, method -> export), in phase order
+    for index, name in enumerate(settings.phases, start=1):
+        results = pipeline.run(phase_config(cfg, name, exports), out_dir / f"{index}_{name}")
+        exports = {method: str(results[step]["export"]) for method, step in METHOD_STEPS.items()}
+        trained.append((name, dict(exports)))
+    rows = measure(cfg, settings, trained)
+    forgetting = forgetting_of(rows, settings.phases)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {
+        "phases": list(settings.phases),
+        "split": settings.split,
+        "rows": rows,
+        "forgetting": forgetting,
+    }
+    atomic_write_text(out_dir / "forgetting.json", json.dumps(report, indent=2) + "\n")
+    table = forgetting_table(rows, forgetting, settings.phases)
+    atomic_write_text(out_dir / "forgetting.txt", table + "\n")
+    print(table, flush=True)
+    headline = headline_numbers(rows, forgetting)
+    logger = stage_logger(cfg, out_dir)
+    log_report(logger, {"rows": rows, "forgetting": forgetting}, key="sequential")
+    log_summary(logger, {f"sequential/{key}": value for key, value in headline.items()})
+    final = {method: exports[method] for method in METHOD_STEPS}
+    return write_result(out_dir, {"stage": "sequential", "exports": final, **headline})
+
+
+def phase_config(cfg: DictConfig, task: str, exports: dict[str, str | None]) -> DictConfig:
+    """The two-step pipeline (distill, adaspec) of one phase: `cfg` with `task` as its task, each method's draft
+    continuing from `exports[method]` (None: the pair's draft), and the keys the distill step fills left empty."""
+    phase = copy.deepcopy(cfg)
+    with open_dict(phase):
+        phase.task = phase.sequential.tasks[task]
+        phase.pipeline.steps = list(METHOD_STEPS.values())
+        for method, step in METHOD_STEPS.items():
+            phase[step].init = exports[method]
+            phase[
+                step
+            ].target_cache_dir = None  # each phase's cache in its own distill folder: another task's
+        phase.adaspec.reference = None  # the distill step of the same phase fills it
+    return phase
+
+
+def measure(
+    cfg: DictConfig, settings: SequentialSettings, trained: list[tuple[str, dict[str, str]]]
+) -> list[dict[str, Any]]:
+    """One row per (method, phase after which, task measured): expected acceptance, agreement and mean KL of that
+    draft against the target on the task's answers."""
+    seed_everything(cfg)
+    paths = {f"{method}@{phase}": path for phase, exports in trained for method, path in exports.items()}
+    device = pick_device(settings.device)
+    tokenizer, target, loaded, vocab_size = load_frozen_target_and_drafts(
+        cfg, named_drafts(cfg, paths), device
+    )
+    rows = []
+    for task in settings.phases:
+        task_cfg = copy.deepcopy(cfg)
+        with open_dict(task_cfg):
+            task_cfg.task = task_cfg.sequential.tasks[task]
+        datamodule = build_datamodule(
+            task_cfg, tokenizer, max_length=settings.max_length, eval_batch_size=settings.batch_size
+        )
+        per_draft = diagnose(target, loaded, datamodule.scoring_dataloader(settings.split), vocab_size,
+                             settings.max_examples, device)  # fmt: skip
+        for name, diagnostics in per_draft.items():
+            method, _, after = name.partition("@")
+            summary = summarise_positions(diagnostics)
+            rows.append({
+                "method": method, "after": after, "task": task, "positions": summary["positions"],
+                "expected_acceptance": summary["expected_acceptance"], "agreement": summary["agreement"],
+                "kl_mean": summary["kl"]["mean"],
+            })  # fmt: skip
+    return rows
+
+
+def forgetting_of(rows: list[dict[str, Any]], phases: list[str]) -> list[dict[str, Any]]:
+    """Per method and every task but the last: its expected acceptance after its own phase, after the last phase,
+    and the drop between them (`forgetting`, positive when the later phases made the draft worse on it)."""
+    acceptance = {(r["method"], r["after"], r["task"]): r["expected_acceptance"] for r in rows}
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    last = phases[-1]
+    out = []
+    for method in methods:
+        for task in phases[:-1]:
+            own, final = acceptance[method, task, task], acceptance[method, last, task]
+            out.append({"method": method, "task": task, "after_own_phase": own, "after_last_phase": final,
+                        "forgetting": own - final})  # fmt: skip
+    return out
+
+
+def forgetting_table(rows: list[dict[str, Any]], forgetting: list[dict[str, Any]], phases: list[str]) -> str:
+    """Expected acceptance per method and phase (rows) on each task (columns), then each task's forgetting."""
+    acceptance = {(r["method"], r["after"], r["task"]): r["expected_acceptance"] for r in rows}
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    header = ["method", "after phase", *(f"acceptance on {task}" for task in phases)]
+    body = [
+        [method, f"{index} ({after})", *(f"{acceptance[method, after, task]:.4f}" for task in phases)]
+        for method in methods
+        for index, after in enumerate(phases, start=1)
+    ]
+    body += [
+        [f["method"], "forgetting", *(f"{f['forgetting']:+.4f}" if f["task"] == t else "" for t in phases)]
+        for f in forgetting
+    ]
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in [header, *body]
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def headline_numbers(rows: list[dict[str, Any]], forgetting: list[dict[str, Any]]) -> dict[str, float]:
+    """`<method>/<task>/after_<phase>/expected_acceptance` and `<method>/<task>/forgetting`, for result.json."""
+    numbers = {
+        f"{r['method']}/{r['task']}/after_{r['after']}/expected_acceptance": r["expected_acceptance"]
+        for r in rows
+    }
+    numbers.update({f"{f['method']}/{f['task']}/forgetting": f["forgetting"] for f in forgetting})
+    return numbers
