@@ -63,7 +63,9 @@ def test_every_step_is_declared_once_and_a_stage_alone_composes_the_groups_its_s
         shared = {"divergence", "selector", "sampling"}
         reads = set(step.get("reads") or [])
         assert {g for g in shared if g in alone} == reads & shared, name
-        assert all(group in alone for group in reads), name  # e.g. sequential reads its phases' distill, adaspec
+        assert all(group in alone for group in reads), (
+            name
+        )  # e.g. sequential reads its phases' distill, adaspec
 
 
 def test_pipeline_relaunch_with_the_same_settings_reuses_every_step(tmp_path):

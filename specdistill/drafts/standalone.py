@@ -30,7 +30,9 @@ class Standalone(DraftKind):
     def continued_from(self, export: str) -> Standalone:
         """The same draft settings (dtype), its weights and config from the export directory `export`."""
         return Standalone(
-            replace(self._spec(), pretrained_model_name_or_path=export, gguf_file=None, config=None, revision=None)
+            replace(
+                self._spec(), pretrained_model_name_or_path=export, gguf_file=None, config=None, revision=None
+            )
         )
 
     def build(self, target: nn.Module | None, vocab_size: int, pure_bf16: bool = False) -> nn.Module:
