@@ -77,8 +77,9 @@ def test_a_phase_trains_both_methods_on_its_task_continuing_each_methods_own_dra
     assert first.task.name == "stdlib_code" and list(first.pipeline.steps) == ["distill", "adaspec"]
     assert first.distill.init is None and first.adaspec.init is None and first.adaspec.reference is None
     second = phase_config(
-        cfg, "math", {"distillspec": "/runs/1/distill/export", "adaspec": "/runs/1/adaspec/export"}
+        cfg, "math", {"distillspec": "/runs/1/distill/export", "adaspec": "/runs/1/adaspec/export"}, epochs=2
     )
+    assert second.distill.trainer.max_epochs == 2 and second.adaspec.trainer.max_epochs == 2
     assert second.task.name == "arith"
     assert second.distill.init == "/runs/1/distill/export" and second.adaspec.init == "/runs/1/adaspec/export"
     assert cfg.task.name == "arith" and cfg.distill.init is None  # the run's own config is left as it was

@@ -49,7 +49,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     exports: dict[str, str | None] = dict.fromkeys(METHOD_STEPS)
     trained: list[tuple[str, dict[str, str]]] = []  # (phase task, method -> export), in phase order
     for index, name in enumerate(settings.phases, start=1):
-        results = pipeline.run(phase_config(cfg, name, exports), out_dir / f"{index}_{name}")
+        results = pipeline.run(phase_config(cfg, name, exports, settings.epochs), out_dir / f"{index}_{name}")
         exports = {method: str(results[step]["export"]) for method, step in METHOD_STEPS.items()}
         trained.append((name, dict(exports)))
     rows = measure(cfg, settings, trained)
@@ -73,15 +73,20 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     return write_result(out_dir, {"stage": "sequential", "exports": final, **headline})
 
 
-def phase_config(cfg: DictConfig, task: str, exports: dict[str, str | None]) -> DictConfig:
+def phase_config(
+    cfg: DictConfig, task: str, exports: dict[str, str | None], epochs: int | None = None
+) -> DictConfig:
     """The two-step pipeline (distill, adaspec) of one phase: `cfg` with `task` as its task, each method's draft
-    continuing from `exports[method]` (None: the pair's draft), and the keys the distill step fills left empty."""
+    continuing from `exports[method]` (None: the pair's draft), `epochs` (None: the steps' own) and the keys the
+    distill step fills left empty."""
     phase = copy.deepcopy(cfg)
     with open_dict(phase):
         phase.task = phase.sequential.tasks[task]
         phase.pipeline.steps = list(METHOD_STEPS.values())
         for method, step in METHOD_STEPS.items():
             phase[step].init = exports[method]
+            if epochs is not None:
+                phase[step].trainer.max_epochs = epochs
             phase[
                 step
             ].target_cache_dir = None  # each phase's cache in its own distill folder: another task's

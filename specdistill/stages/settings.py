@@ -448,6 +448,9 @@ class SequentialSettings(StageSettings):
     """The tasks in training order, by their names in `tasks` (at least two, each once)."""
     tasks: dict[str, Any]
     """Name -> task config (composed from conf/task/, e.g. `/task@sequential.tasks.math: arith`)."""
+    epochs: int | None
+    """Epochs of each phase's distill and adaspec steps (their `trainer.max_epochs`; a `max_steps` still caps them);
+    null: the steps' own."""
     split: str
     """The split whose answers measure each task's acceptance (validation or train; never test)."""
     max_examples: int | None
@@ -473,6 +476,7 @@ class SequentialSettings(StageSettings):
                 f"add one with +{where}.tasks.<name>=... or a defaults entry /task@{where}.tasks.<name>: <task>"
             )
         check_choice(where, "split", self.split, ("validation", "train"))
+        check_count(where, "epochs", self.epochs, optional=True)
         check_count(where, "max_examples", self.max_examples, optional=True)
         for key in ("batch_size", "max_length"):
             check_count(where, key, getattr(self, key))
