@@ -73,23 +73,29 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     return write_result(out_dir, {"stage": "sequential", "exports": final, **headline})
 
 
+def with_task(cfg: DictConfig, task: str) -> DictConfig:
+    """A copy of `cfg` whose `task` is `sequential.tasks[task]`."""
+    out = copy.deepcopy(cfg)
+    with open_dict(out):
+        out.task = out.sequential.tasks[task]
+    return out
+
+
 def phase_config(
     cfg: DictConfig, task: str, exports: dict[str, str | None], epochs: int | None = None
 ) -> DictConfig:
     """The two-step pipeline (distill, adaspec) of one phase: `cfg` with `task` as its task, each method's draft
     continuing from `exports[method]` (None: the pair's draft), `epochs` (None: the steps' own) and the keys the
     distill step fills left empty."""
-    phase = copy.deepcopy(cfg)
+    phase = with_task(cfg, task)
     with open_dict(phase):
-        phase.task = phase.sequential.tasks[task]
         phase.pipeline.steps = list(METHOD_STEPS.values())
         for method, step in METHOD_STEPS.items():
             phase[step].init = exports[method]
             if epochs is not None:
                 phase[step].trainer.max_epochs = epochs
-            phase[
-                step
-            ].target_cache_dir = None  # each phase's cache in its own distill folder: another task's
+            # each phase's cache in its own distill folder: another task's
+            phase[step].target_cache_dir = None
         phase.adaspec.reference = None  # the distill step of the same phase fills it
     return phase
 
@@ -107,9 +113,7 @@ def measure(
     )
     rows = []
     for task in settings.phases:
-        task_cfg = copy.deepcopy(cfg)
-        with open_dict(task_cfg):
-            task_cfg.task = task_cfg.sequential.tasks[task]
+        task_cfg = with_task(cfg, task)
         datamodule = build_datamodule(
             task_cfg, tokenizer, max_length=settings.max_length, eval_batch_size=settings.batch_size
         )

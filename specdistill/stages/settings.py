@@ -411,18 +411,14 @@ class RolloutSettings(StageSettings):
 
 
 @dataclass(frozen=True, kw_only=True)
-class AnalyseSettings(StageSettings):
-    """Token-level diagnostics of every draft against the target on the same answers (docs/METHODS.md section 3)."""
+class MeasurementSettings(StageSettings):
+    """Drafts teacher-forced against the target on a split's answers (`analyse`, `sequential`'s measurement)."""
 
-    group: ClassVar[str] = "analyse"
-    drafts: dict[str, str]
-    """Name -> draft export directory (a pipeline fills them); {}: models.draft."""
-    baseline: str | None
-    """The draft the others are compared with in the paper's directions (e.g. distillspec); null: none."""
     split: str
-    """The split whose answers are teacher-forced (never test: the diagnostics are not the reported metric)."""
+    """The split whose answers are teacher-forced (validation or train; never test: these are not the reported
+    metric)."""
     max_examples: int | None
-    """The first this many examples of `split` (null: all)."""
+    """The first this many examples of `split` (per task; null: all)."""
     batch_size: int
     """Examples per forward pass."""
     max_length: int
@@ -439,9 +435,20 @@ class AnalyseSettings(StageSettings):
 
 
 @dataclass(frozen=True, kw_only=True)
-class SequentialSettings(StageSettings):
+class AnalyseSettings(MeasurementSettings):
+    """Token-level diagnostics of every draft against the target on the same answers (docs/METHODS.md section 3)."""
+
+    group: ClassVar[str] = "analyse"
+    drafts: dict[str, str]
+    """Name -> draft export directory (a pipeline fills them); {}: models.draft."""
+    baseline: str | None
+    """The draft the others are compared with in the paper's directions (e.g. distillspec); null: none."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SequentialSettings(MeasurementSettings):
     """Sequential multi-task distillation: DistillSpec and AdaSPEC on one task, then the next, each task's
-    acceptance measured after every phase (specdistill/stages/sequential.py)."""
+    acceptance measured on its `split` answers after every phase (specdistill/stages/sequential.py)."""
 
     group: ClassVar[str] = "sequential"
     phases: list[str]
@@ -451,18 +458,9 @@ class SequentialSettings(StageSettings):
     epochs: int | None
     """Epochs of each phase's distill and adaspec steps (their `trainer.max_epochs`; a `max_steps` still caps them);
     null: the steps' own."""
-    split: str
-    """The split whose answers measure each task's acceptance (validation or train; never test)."""
-    max_examples: int | None
-    """The first this many examples of `split` per task (null: all)."""
-    batch_size: int
-    """Examples per forward pass of the measurement."""
-    max_length: int
-    """Tokens per example (prompt and answer) in the measurement, as in training."""
-    device: str
-    """auto: cuda when available, else cpu."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         where = self.group
         if len(self.phases) < 2 or len(set(self.phases)) != len(self.phases):
             raise ConfigError(
@@ -475,11 +473,7 @@ class SequentialSettings(StageSettings):
                 f"{where}.phases names {unknown}, which {where}.tasks does not hold (it holds {sorted(self.tasks)}); "
                 f"add one with +{where}.tasks.<name>=... or a defaults entry /task@{where}.tasks.<name>: <task>"
             )
-        check_choice(where, "split", self.split, ("validation", "train"))
         check_count(where, "epochs", self.epochs, optional=True)
-        check_count(where, "max_examples", self.max_examples, optional=True)
-        for key in ("batch_size", "max_length"):
-            check_count(where, key, getattr(self, key))
 
 
 @dataclass(frozen=True, kw_only=True)
