@@ -115,11 +115,12 @@ def main() -> None:
         "adaspec_ema": out / "ema" / "adaspec",
         "distillspec_matched": out / "distillspec_matched" / "distill",
     }
+    self_cost = 3 * b_a * s_self + b_a * (s_self - args.every)  # no scoring in the first N steps
     compute = {
         "distillspec": 3 * b_d * s_d,
         "adaspec": budget,
-        "adaspec_lagged": 3 * b_a * s_self + b_a * (s_self - args.every),
-        "adaspec_ema": 3 * b_a * s_self + b_a * (s_self - args.every),
+        "adaspec_lagged": self_cost,
+        "adaspec_ema": self_cost,
         "distillspec_matched": 3 * b_d * s_matched,
     }
     train(out / "evaluate", [
