@@ -51,10 +51,16 @@ def train(out: Path, overrides: list[str], log: Path) -> None:
         subprocess.run(command, check=True, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT)
 
 
-def step_plan(step_dir: Path, group: str) -> tuple[int, int]:
+def step_plan(step_dir: Path) -> tuple[int, int]:
     """(global batch, optimizer steps) a finished training step ran: its settings from the step's fingerprint record
-    (AdaSPEC's compute matching divides the batch by k) and its steps from the last checkpoint."""
-    settings = json.loads((step_dir / "run_fingerprint.json").read_text())["config"][group]
+    (the folder is named after its group, `distill` or `adaspec`; AdaSPEC's compute matching divides the batch by k)
+    and its steps from the last checkpoint."""
+    settings = json.loads((step_dir / "run_fingerprint.json").read_text())["config"][step_dir.name]
+    if settings.get("cached_scores"):
+        raise SystemExit(
+            f"{step_dir}: adaspec.cached_scores=true scores the reference once, not on every step, which the budget "
+            "B = 3 b_d S_d + 4 b_a S_a does not count; run the comparison with adaspec.cached_scores=false"
+        )
     batch = int(settings["batch_size"])
     if settings.get("compute_matched"):
         batch = math.ceil(batch / float(settings["k"]))
@@ -82,13 +88,11 @@ def main() -> None:
 
     train(out / "main", [*args.config, "pipeline.steps=[target_answers,distill,adaspec,analyse]"], log)
     main_dir = out / "main"
-    b_d, s_d = step_plan(main_dir / "distill", "distill")
-    b_a, s_a = step_plan(main_dir / "adaspec", "adaspec")
+    b_d, s_d = step_plan(main_dir / "distill")
+    b_a, s_a = step_plan(main_dir / "adaspec")
     budget = 3 * b_d * s_d + 4 * b_a * s_a
-    shared = [
-        f"+task.answers_from={main_dir / 'target_answers' / 'answers'}",
-        f"adaspec.target_cache_dir={main_dir / 'distill' / 'target_cache'}",
-    ]
+    answers = f"+task.answers_from={main_dir / 'target_answers' / 'answers'}"
+    cache = main_dir / "distill" / "target_cache"
     s_self = self_reference_steps(budget, b_a, args.every)
     variants = {
         "lagged": ["selector=adaspec_lagged", f"selector.every={args.every}"],
@@ -99,12 +103,11 @@ def main() -> None:
         ],
     }
     for name, selector in variants.items():
-        train(out / name, [*args.config, "pipeline.steps=[adaspec]", *shared, *selector,
+        train(out / name, [*args.config, "pipeline.steps=[adaspec]", answers, f"adaspec.target_cache_dir={cache}", *selector,
                            f"adaspec.trainer.max_steps={s_self}", "adaspec.trainer.max_epochs=100"], log)  # fmt: skip
     s_matched = budget // (3 * b_d)
     train(out / "distillspec_matched", [
-        *args.config, "pipeline.steps=[distill]", shared[0],
-        f"distill.target_cache_dir={main_dir / 'distill' / 'target_cache'}",
+        *args.config, "pipeline.steps=[distill]", answers, f"distill.target_cache_dir={cache}",
         f"distill.trainer.max_steps={s_matched}", "distill.trainer.max_epochs=100",
     ], log)  # fmt: skip
 
@@ -124,7 +127,7 @@ def main() -> None:
         "distillspec_matched": 3 * b_d * s_matched,
     }
     train(out / "evaluate", [
-        *args.config, "pipeline.steps=[evaluate]", shared[0],
+        *args.config, "pipeline.steps=[evaluate]", answers,
         *(f"+evaluate.drafts.{name}={path / 'export'}" for name, path in drafts.items()),
         "evaluate.fixed_lengths=[4]", "evaluate.acceptance_draft_length=4", "evaluate.policies.oracle=null",
         f"evaluate.num_prompts={args.prompts}",
@@ -135,7 +138,7 @@ def main() -> None:
     print(f"{'draft':<22}{'steps':>7}{'batch':>7}{'compute':>9}{'/ B':>7}  val/expected_acceptance")
     for name, path in drafts.items():
         result = json.loads((path / "result.json").read_text())
-        batch, steps = step_plan(path, "adaspec" if name.startswith("adaspec") else "distill")
+        batch, steps = step_plan(path)
         print(f"{name:<22}{steps:>7}{batch:>7}{compute[name]:>9}{compute[name] / budget:>7.2f}  "
               f"{result.get('val/expected_acceptance')}")  # fmt: skip
     print()
