@@ -14,7 +14,7 @@ from hydra.utils import instantiate
 from torch.utils.data import DataLoader, TensorDataset
 
 from specdistill.utils.wandb_logger import has_api_key, log_export, log_report
-from tests.wandb_files import read_offline_run
+from tests.wandb_files import NotARunFile, read_offline_run
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -92,7 +92,7 @@ def test_without_an_account_the_run_goes_offline_and_keeps_the_logged_metrics(
     logger.log_hyperparams({"lr": 0.1})
     logger.experiment.finish()
 
-    run = read_finished_run(offline_run_dir(tmp_path))
+    run = read_offline_run(offline_run_dir(tmp_path))
     losses = [row["train/loss"] for row in run["history"] if "train/loss" in row]
     assert len(losses) == 4 and all(isinstance(v, float) for v in losses)
     assert [row["trainer/global_step"] for row in run["history"] if "train/loss" in row] == [0, 1, 2, 3]
@@ -102,20 +102,6 @@ def test_without_an_account_the_run_goes_offline_and_keeps_the_logged_metrics(
     assert run["run"]["name"] == tmp_path.name  # outside Hydra: the run directory's name
     # the run id is kept beside the run so that a requeued job continues the same W&B run
     assert (tmp_path / "wandb_run_id.txt").read_text() == run["run"]["id"]
-
-
-def read_finished_run(path: Path, timeout_s: float = 30.0) -> dict:
-    """Read an offline run once W&B's service process has written its summary.
-
-    `finish()` hands the last records to a separate service process that writes the run file; on a loaded machine
-    the file can lag behind by a moment (seen once in a full-suite run), so wait for the summary record.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        run = read_offline_run(path)
-        if run["summary"] or time.monotonic() > deadline:
-            return run
-        time.sleep(0.5)
 
 
 def test_report_table_images_and_export_artifact(no_account, tmp_path: Path) -> None:
@@ -139,7 +125,7 @@ def test_report_table_images_and_export_artifact(no_account, tmp_path: Path) -> 
     assert log_export(logger, export, {"stage": "distill"})
     logger.experiment.finish()
 
-    run = read_finished_run(offline_run_dir(tmp_path / "run"))
+    run = read_offline_run(offline_run_dir(tmp_path / "run"))
     logged = {key for row in run["history"] for key in row}
     assert {"report/_type", "report/per_task/_type", "report/acceptance_vs_k/_type"} <= logged
     images = [
@@ -246,7 +232,7 @@ def test_a_report_of_tables_only_logs_no_empty_table_and_fills_the_summary(
     assert log_summary(logger, summary_metrics(report, {"d/acceptance_head_over_oracle": 0.9}))
     logger.experiment.finish()
 
-    run = read_finished_run(offline_run_dir(tmp_path / "run"))
+    run = read_offline_run(offline_run_dir(tmp_path / "run"))
     logged = {key for row in run["history"] for key in row}
     assert "report/entries/_type" in logged and not any(key.startswith("report/_") for key in logged)
     summary = run["summary"]
@@ -287,10 +273,10 @@ def test_a_head_export_goes_up_as_a_model_artifact_only_with_log_model(
     metadata = {"stage": "acceptance_head", "draft": "adaspec"}
     export = export_head(trainer, head, save_dir / "export", draft, "drafts/adaspec", metadata)
     assert AcceptanceHead.read_config(export)["draft"]["source"] == "drafts/adaspec"
-    logger.log_metrics({"done": 1.0})  # a summary record marks the run file as complete (read_finished_run)
+    logger.log_metrics({"done": 1.0})
     logger.experiment.finish()
 
-    artifacts = read_finished_run(offline_run_dir(save_dir))["artifacts"]
+    artifacts = read_offline_run(offline_run_dir(save_dir))["artifacts"]
     expected = [{"type": "model", "metadata": metadata}] if log_model else []
     assert [{"type": a["type"], "metadata": a["metadata"]} for a in artifacts] == expected
 
@@ -309,3 +295,19 @@ def test_exports_and_reports_need_no_wandb_without_a_wandb_logger():
         "assert log_export(logger, '.') is False and log_report(logger, {'acceptance_rate': 0.5}) is False\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_run_file_reader_waits_for_the_exit_record_and_refuses_other_files(tmp_path: Path):
+    """A run file is read once wandb's core has written its last record: one still being written (only the
+    header so far) times out with a message instead of reading back an empty run; a file that is not a run file
+    fails at once."""
+    unfinished = tmp_path / "run-unfinished.wandb"
+    unfinished.write_bytes(b":W&B" + (0xBEE1).to_bytes(2, "little") + b"\x00")
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="no exit record"):
+        read_offline_run(unfinished, timeout=0.5)
+    assert time.monotonic() - started >= 0.5
+    other = tmp_path / "run-other.wandb"
+    other.write_bytes(b"not a run file at all")
+    with pytest.raises(NotARunFile, match="bad header"):
+        read_offline_run(other, timeout=30)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -18,11 +19,15 @@ _BLOCK = 32768
 _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
 
 
+class NotARunFile(Exception):
+    """The file does not start with a W&B run file's header (waiting will not mend it)."""
+
+
 def _records(data: bytes) -> Iterable[bytes]:
     """Payloads of a `.wandb` file: a 7-byte header, then LevelDB-log records in 32 KiB blocks."""
-    ident, magic, version = _HEADER.unpack_from(data, 0)
+    ident, magic, version = _HEADER.unpack_from(data.ljust(_HEADER.size, b"\0"), 0)
     if ident != b":W&B" or magic != 0xBEE1:
-        raise ValueError(
+        raise NotARunFile(
             "not a W&B run file (bad header); pass the run's run-<id>.wandb file or its directory"
         )
     pos, pending = _HEADER.size, b""
@@ -66,8 +71,8 @@ def _item_key(item: Any) -> str:
     return "/".join(item.nested_key) if item.nested_key else item.key
 
 
-def read_offline_run(path: str | Path) -> dict[str, Any]:
-    """Read back what an (offline) run recorded.
+def read_offline_run(path: str | Path, timeout: float = 60.0) -> dict[str, Any]:
+    """Read back what an (offline) run recorded, once its file holds the run's final (`exit`) record.
 
     Returns:
         `{"history": [row, ...], "config": {...}, "summary": {...}, "run": {"id", "project", "group", "name",
@@ -78,24 +83,58 @@ def read_offline_run(path: str | Path) -> dict[str, Any]:
 
     Args:
         path: a `run-<id>.wandb` file, or the run directory holding one (`<save_dir>/wandb/offline-run-*`).
+        timeout: seconds to wait for the `exit` record. `run.finish()` returns before wandb's core has always
+            flushed the file (seen on a loaded 2-core machine: a file without its `run` record), so the reader
+            waits for the last record rather than reading whatever is on disk.
     """
-    from wandb.proto import wandb_internal_pb2 as pb
-
     path = Path(path)
     if path.is_dir():
         files = sorted(path.glob("*.wandb"))
         if len(files) != 1:
             raise FileNotFoundError(f"expected one run-*.wandb file in {path}, found {len(files)}")
         path = files[0]
+    deadline = time.monotonic() + timeout
+    while True:
+        data = path.read_bytes()
+        try:
+            payloads = _parsed(data)
+        except ValueError:  # a record still being written
+            payloads = []
+        except NotARunFile:
+            if len(data) >= _HEADER.size:
+                raise
+            payloads = []  # the header is not written yet
+        if any(kind == "exit" for kind, _ in payloads):
+            return _collect(payloads)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} holds no exit record after {timeout:.0f} s: the run did not finish")
+        time.sleep(0.2)
+
+
+def _parsed(data: bytes) -> list[tuple[str, Any]]:
+    """`(record kind, record)` for every record of a `.wandb` file's bytes."""
+    from google.protobuf.message import DecodeError
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    parsed = []
+    for payload in _records(data):
+        record = pb.Record()
+        try:
+            record.ParseFromString(payload)
+        except DecodeError as err:
+            raise ValueError(f"a W&B record that does not parse: {err}") from err
+        parsed.append((record.WhichOneof("record_type"), record))
+    return parsed
+
+
+def _collect(payloads: list[tuple[str, Any]]) -> dict[str, Any]:
+    """The history, config, summary, run info and artifacts of parsed records."""
     history: list[dict[str, Any]] = []
     config: dict[str, Any] = {}
     summary: dict[str, Any] = {}
     run: dict[str, Any] = {}
     artifacts: list[dict[str, Any]] = []
-    for payload in _records(path.read_bytes()):
-        record = pb.Record()
-        record.ParseFromString(payload)
-        kind = record.WhichOneof("record_type")
+    for kind, record in payloads:
         if kind == "history":
             history.append({_item_key(i): _item_value(i) for i in record.history.item})
         if kind == "run":
