@@ -23,6 +23,7 @@ source provides is always taken from the source. `max_examples` then keeps the f
 from __future__ import annotations
 
 import glob
+import hashlib
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -321,6 +322,19 @@ class Task:
     def __repr__(self) -> str:
         source = f"data_files={self.data_files}" if self.local else f"path={self.path!r}"
         return f"{type(self).__name__}(name={self.name!r}, {source})"
+
+
+def hash_split(key: str, fractions: Mapping[str, float]) -> str:
+    """The split of a record named `key`: a hash of the key placed in [0, 1) against `fractions` (validation first,
+    then test; the rest is train), so a record keeps its split whatever else the source adds or removes."""
+    digest = hashlib.sha256(key.encode()).digest()
+    position = int.from_bytes(digest[:8], "little") / 2**64
+    edge = 0.0
+    for split in ("validation", "test"):
+        edge += float(fractions.get(split, 0.0))
+        if position < edge:
+            return split
+    return "train"
 
 
 def _split_mapping(value: Mapping[str, Any], what: str) -> dict[str, Any]:

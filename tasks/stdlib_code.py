@@ -29,7 +29,6 @@ qualified name. The corpus is the interpreter's: another Python version gives ot
 from __future__ import annotations
 
 import ast
-import hashlib
 import json
 import sysconfig
 import tokenize
@@ -39,7 +38,7 @@ from pathlib import Path
 
 import datasets
 
-from specdistill.tasks.base import SPLITS, Record, TaskDataError
+from specdistill.tasks.base import SPLITS, Record, TaskDataError, hash_split
 from specdistill.tasks.humaneval import HumanEval
 
 SKIPPED_DIRS = frozenset(
@@ -108,14 +107,7 @@ def function_records(source: str, module: str, max_answer_chars: int) -> list[Re
 def split_of(qualified_name: str, fractions: Mapping[str, float]) -> str:
     """The split a function belongs to: a hash of its qualified name placed in [0, 1) against `fractions`
     (validation first, then test; the rest is train)."""
-    digest = hashlib.sha256(f"stdlib_code/{qualified_name}".encode()).digest()
-    position = int.from_bytes(digest[:8], "little") / 2**64
-    edge = 0.0
-    for split in ("validation", "test"):
-        edge += float(fractions.get(split, 0.0))
-        if position < edge:
-            return split
-    return "train"
+    return hash_split(f"stdlib_code/{qualified_name}", fractions)
 
 
 def entry_points(path: str | Path) -> frozenset[str]:
