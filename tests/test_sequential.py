@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +88,18 @@ def test_a_phase_trains_both_methods_on_its_task_continuing_each_methods_own_dra
     assert spec.pretrained_model_name_or_path == "/runs/1/distill/export" and spec.config is None
 
 
+def test_with_target_answers_a_phase_first_answers_its_own_tasks_prompts():
+    cfg = composed("+sequential.tasks.math.answers_from=/elsewhere/answers")
+    phase = phase_config(cfg, "math", {"distillspec": None, "adaspec": None}, target_answers=True)
+    assert list(phase.pipeline.steps) == ["target_answers", "distill", "adaspec"]
+    assert phase.task.name == "arith" and phase.task.answers_from is None  # its target_answers step fills it
+    plain = phase_config(cfg, "math", {"distillspec": None, "adaspec": None})
+    assert (
+        list(plain.pipeline.steps) == ["distill", "adaspec"]
+        and plain.task.answers_from == "/elsewhere/answers"
+    )
+
+
 def test_a_draft_built_from_the_target_refuses_to_continue_from_an_export():
     with pytest.raises(ConfigError, match="cannot continue from an export"):
         draft_kind(composed("draft=eagle3"), "/runs/1/distill/export")
@@ -126,12 +139,14 @@ SMALL = [
 ]  # fmt: skip
 
 
-def train(run_dir: Path, signal_at: int | None = None) -> subprocess.CompletedProcess:
+def train(
+    run_dir: Path, signal_at: int | None = None, extra: tuple[str, ...] | list[str] = ()
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     env.pop(DEBUG_SIGNAL_ENV, None)
     if signal_at is not None:
         env[DEBUG_SIGNAL_ENV] = str(signal_at)
-    command = [sys.executable, "train.py", *SMALL, f"hydra.run.dir={run_dir}"]
+    command = [sys.executable, "train.py", *SMALL, *extra, f"hydra.run.dir={run_dir}"]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -174,3 +189,29 @@ def test_train_py_killed_mid_phase_resumes_and_reports_every_tasks_acceptance_af
         )
     assert result["exports"]["adaspec"] == str(tmp_path / "2_math" / "adaspec" / "export")
     assert "acceptance on code" in (tmp_path / "forgetting.txt").read_text()
+
+
+ANSWER_TOKENS = 6
+
+
+@pytest.mark.slow
+def test_with_target_answers_each_phase_trains_and_is_measured_on_the_targets_answers_to_its_task(tmp_path):
+    """`sequential.target_answers=true`: each phase's training steps read its own target_answers folder, and each
+    task is measured on those answers (short: ANSWER_TOKENS tokens each), not on the dataset's."""
+    overrides = ["sequential.target_answers=true", f"target_answers.max_new_tokens={ANSWER_TOKENS}"]
+    done = train(tmp_path, extra=overrides)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = done.stdout + done.stderr
+    report = json.loads((tmp_path / "forgetting.json").read_text())
+    for folder, task in (("1_code", "code"), ("2_math", "math")):
+        answers = tmp_path / folder / "target_answers" / "answers"
+        assert (answers / "validation.jsonl").is_file() and report["answers"][task] == str(answers)
+        name = {"code": "stdlib_code", "math": "arith"}[task]
+        # the train split is read by the phase's training steps only (the measurement reads validation)
+        assert re.search(
+            rf"{name}/train: training on \d+ generated answers from {re.escape(str(answers))}", said
+        )
+        rows = [r for r in report["rows"] if r["task"] == task]
+        # re-tokenised, a decoded answer can take more tokens than were generated (byte fallbacks): a bound of
+        # twice as many; four stdlib bodies (the code task's own answers) are hundreds of tokens
+        assert len(rows) == 4 and all(0 < r["positions"] <= 4 * 2 * (ANSWER_TOKENS + 1) for r in rows)

@@ -2,7 +2,9 @@
 
 The AdaSPEC paper's sequential multi-task experiment (MBPP, then GSM8K): each phase is a two-step pipeline run in
 `<run_dir>/sequential/<i>_<task>/` on that phase's task (`sequential.tasks.<task>`), `distill` (DistillSpec) then
-`adaspec` with that phase's DistillSpec draft as its reference, exactly as the default pipeline wires them. Each
+`adaspec` with that phase's DistillSpec draft as its reference, exactly as the default pipeline wires them; with
+`sequential.target_answers`, a `target_answers` step first answers the task's prompts with the target, and the
+phase trains, and the task is measured, on those answers (a pretrained target's, as the real pair's chain does). Each
 method's draft continues from its own draft of the previous phase (`distill.init`, `adaspec.init`). Being a
 pipeline, a phase resumes like one: a re-launch reuses finished phases and steps and resumes the unfinished step
 from its last checkpoint.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,22 +45,26 @@ from specdistill.utils.wandb_logger import log_report, log_summary
 
 # method -> the phase pipeline's step that trains it (its `init` continues the method's previous draft)
 METHOD_STEPS = {"distillspec": "distill", "adaspec": "adaspec"}
+ANSWERS_STEP = "target_answers"  # first step of each phase where sequential.target_answers is true
 
 
 def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     settings: SequentialSettings = build_settings(cfg, "sequential")
     exports: dict[str, str | None] = dict.fromkeys(METHOD_STEPS)
-    trained: list[tuple[str, dict[str, str]]] = []  # (phase task, method -> export), in phase order
+    trained: list[Phase] = []
     for index, name in enumerate(settings.phases, start=1):
-        results = pipeline.run(phase_config(cfg, name, exports, settings.epochs), out_dir / f"{index}_{name}")
+        phase = phase_config(cfg, name, exports, settings.epochs, settings.target_answers)
+        results = pipeline.run(phase, out_dir / f"{index}_{name}")
         exports = {method: str(results[step]["export"]) for method, step in METHOD_STEPS.items()}
-        trained.append((name, dict(exports)))
+        answers = str(results[ANSWERS_STEP]["answers"]) if settings.target_answers else None
+        trained.append(Phase(name, dict(exports), answers))
     rows = measure(cfg, settings, trained)
     forgetting = forgetting_of(rows, settings.phases)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {
         "phases": list(settings.phases),
         "split": settings.split,
+        "answers": {phase.task: phase.answers for phase in trained},  # null: the task's own
         "rows": rows,
         "forgetting": forgetting,
     }
@@ -73,23 +80,41 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     return write_result(out_dir, {"stage": "sequential", "exports": final, **headline})
 
 
-def with_task(cfg: DictConfig, task: str) -> DictConfig:
-    """A copy of `cfg` whose `task` is `sequential.tasks[task]`."""
+@dataclass(frozen=True)
+class Phase:
+    """A finished phase: its task, each method's draft export, and the target's answers it trained on (None: the
+    task's own answers)."""
+
+    task: str
+    exports: dict[str, str]
+    answers: str | None
+
+
+def with_task(cfg: DictConfig, task: str, answers_from: str | None = None) -> DictConfig:
+    """A copy of `cfg` whose `task` is `sequential.tasks[task]`, reading the answers in `answers_from` where given."""
     out = copy.deepcopy(cfg)
     with open_dict(out):
         out.task = out.sequential.tasks[task]
+        if answers_from is not None:
+            out.task.answers_from = answers_from
     return out
 
 
 def phase_config(
-    cfg: DictConfig, task: str, exports: dict[str, str | None], epochs: int | None = None
+    cfg: DictConfig,
+    task: str,
+    exports: dict[str, str | None],
+    epochs: int | None = None,
+    target_answers: bool = False,
 ) -> DictConfig:
-    """The two-step pipeline (distill, adaspec) of one phase: `cfg` with `task` as its task, each method's draft
-    continuing from `exports[method]` (None: the pair's draft), `epochs` (None: the steps' own) and the keys the
-    distill step fills left empty."""
+    """The pipeline of one phase: `cfg` with `task` as its task, `distill` then `adaspec` (after `target_answers`,
+    whose answers they train on, where `target_answers`), each method's draft continuing from `exports[method]`
+    (None: the pair's draft), `epochs` (None: the steps' own) and the keys the earlier steps fill left empty."""
     phase = with_task(cfg, task)
     with open_dict(phase):
-        phase.pipeline.steps = list(METHOD_STEPS.values())
+        phase.pipeline.steps = [*([ANSWERS_STEP] if target_answers else []), *METHOD_STEPS.values()]
+        if target_answers:
+            phase.task.answers_from = None  # the phase's target_answers step fills it
         for method, step in METHOD_STEPS.items():
             phase[step].init = exports[method]
             if epochs is not None:
@@ -100,20 +125,20 @@ def phase_config(
     return phase
 
 
-def measure(
-    cfg: DictConfig, settings: SequentialSettings, trained: list[tuple[str, dict[str, str]]]
-) -> list[dict[str, Any]]:
+def measure(cfg: DictConfig, settings: SequentialSettings, trained: list[Phase]) -> list[dict[str, Any]]:
     """One row per (method, phase after which, task measured): expected acceptance, agreement and mean KL of that
-    draft against the target on the task's answers."""
+    draft against the target on the task's answers (the target's, from the task's own phase, where it trained on
+    them)."""
     seed_everything(cfg)
-    paths = {f"{method}@{phase}": path for phase, exports in trained for method, path in exports.items()}
+    paths = {f"{method}@{phase.task}": path for phase in trained for method, path in phase.exports.items()}
+    answers = {phase.task: phase.answers for phase in trained}
     device = pick_device(settings.device)
     tokenizer, target, loaded, vocab_size = load_frozen_target_and_drafts(
         cfg, named_drafts(cfg, paths), device
     )
     rows = []
     for task in settings.phases:
-        task_cfg = with_task(cfg, task)
+        task_cfg = with_task(cfg, task, answers[task])
         datamodule = build_datamodule(
             task_cfg, tokenizer, max_length=settings.max_length, eval_batch_size=settings.batch_size
         )

@@ -458,6 +458,10 @@ class SequentialSettings(MeasurementSettings):
     epochs: int | None
     """Epochs of each phase's distill and adaspec steps (their `trainer.max_epochs`; a `max_steps` still caps them);
     null: the steps' own."""
+    target_answers: bool
+    """Each phase starts with a `target_answers` step on its task (`target_answers` settings), and the drafts train
+    and are measured on the target's own answers to its prompts (for a pretrained target, whose answers the
+    datasets' do not resemble); false: the tasks' answers (`answers_from` as each task sets it)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
