@@ -25,6 +25,7 @@ from specdistill.export.hf import export_pretrained
 from specdistill.losses import ForwardKL
 from specdistill.losses.answers import answer_mask
 from specdistill.losses.rows import answer_rows
+from specdistill.models.loading import ModelSpec
 from specdistill.modules import DistillModule
 from specdistill.stages.build import draft_kind, model_spec
 from tests.helpers import TINY, check_ok, hydra_conf, run_train, stage_overrides
@@ -144,6 +145,37 @@ def test_a_cut_export_records_its_kind_and_loads_back_identical(tokenizer, tmp_p
     saved, back = draft.state_dict(), loaded.model.state_dict()
     assert saved.keys() == back.keys() and all(torch.equal(saved[k], back[k]) for k in saved)
     assert loaded.proposer(vocab) is loaded.model  # a causal-LM draft drafts with the model itself
+
+
+def test_a_cut_continued_from_its_export_trains_on_from_the_exported_weights(tokenizer, tmp_path: Path):
+    """`<stage>.init` with a cut draft (stage=sequential's later phases): the exported weights, not a new cut of the
+    target; trainable, exported again as a cut; an export of another depth or model class is refused."""
+    vocab = len(tokenizer)
+    target = causal_lm("gpt_neox", vocab=vocab)
+    kind = CutLayers(num_layers=2)
+    trained = kind.build(target, vocab_size=vocab)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.5)  # as if trained: no longer the target's weights
+    out = kind.export(trained, tokenizer, tmp_path / "phase1", {"stage": "distill"})
+    continued = kind.continued_from(str(out))
+    assert continued.specs("draft") == {"draft": ModelSpec(pretrained_model_name_or_path=str(out))}
+    draft = continued.build(target, vocab_size=vocab)
+    assert type(draft) is type(target) and draft.training
+    assert all(p.requires_grad and p.dtype == torch.float32 for p in draft.parameters())
+    saved, back = trained.state_dict(), draft.state_dict()
+    assert saved.keys() == back.keys() and all(torch.equal(saved[k], back[k]) for k in saved)
+    fresh = kind.build(target, vocab_size=vocab).state_dict()
+    assert not torch.equal(
+        fresh["gpt_neox.layers.0.mlp.dense_h_to_4h.weight"],
+        back["gpt_neox.layers.0.mlp.dense_h_to_4h.weight"],
+    )
+    again = continued.export(draft, tokenizer, tmp_path / "phase2", {"stage": "distill"})
+    assert json.loads((again / KIND_FILE).read_text())["num_layers"] == 2
+    with pytest.raises(ConfigError, match=r"a cut of 2 layers, but draft.num_layers=1"):
+        CutLayers(num_layers=1).continued_from(str(out)).build(target, vocab_size=vocab)
+    with pytest.raises(ConfigError, match=r"not a cut of this target \(LlamaForCausalLM\)"):
+        continued.build(causal_lm("llama", vocab=vocab), vocab_size=vocab)
 
 
 def test_an_export_without_a_kind_record_loads_as_standalone(tokenizer, tmp_path: Path):

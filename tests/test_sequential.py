@@ -100,7 +100,11 @@ def test_with_target_answers_a_phase_first_answers_its_own_tasks_prompts():
     )
 
 
-def test_a_draft_built_from_the_target_refuses_to_continue_from_an_export():
+def test_a_cut_draft_continues_from_its_export_and_an_eagle3_head_refuses():
+    kind = draft_kind(composed("draft=cut_layers_3"), "/runs/1/distill/export")
+    assert kind.continues == "/runs/1/distill/export" and kind.specs("draft")[
+        "draft"
+    ].pretrained_model_name_or_path == ("/runs/1/distill/export")
     with pytest.raises(ConfigError, match="cannot continue from an export"):
         draft_kind(composed("draft=eagle3"), "/runs/1/distill/export")
 

@@ -149,7 +149,8 @@ class DraftKind:
         draft is built from the target refuses."""
         raise ConfigError(
             f"the draft kind {type(self).__name__} builds its draft from the target and cannot continue from an "
-            f"export ({export}) yet: use the standalone draft (no draft= override) for init and stage=sequential"
+            f"export ({export}) yet: use a standalone (no draft= override) or cut_layers draft for init and "
+            "stage=sequential"
         )
 
     def build(self, target: nn.Module | None, vocab_size: int, pure_bf16: bool = False) -> nn.Module:

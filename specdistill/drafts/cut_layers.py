@@ -16,6 +16,9 @@ from torch import nn
 
 from specdistill.drafts.base import DraftKind
 from specdistill.errors import ConfigError
+from specdistill.models.loading import ModelSpec, load_model
+from specdistill.models.precision import trainable_spec
+from specdistill.models.vocab import check_model_covers_vocab
 
 
 class CutLayers(DraftKind):
@@ -23,23 +26,38 @@ class CutLayers(DraftKind):
 
     Args:
         num_layers: layers kept, 1 <= num_layers < the target's `num_hidden_layers` (`draft.num_layers`).
+        continues: an earlier export of this kind to train on from (`<stage>.init`, e.g. the previous phase of
+            stage=sequential) instead of cutting the target again; None: cut from the target.
     """
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, continues: str | None = None) -> None:
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
             raise ConfigError(
                 f"draft.num_layers={num_layers!r} is out of range: a cut draft keeps at least one of the target's "
                 "layers (set draft.num_layers to 1 or more, fewer than the target's num_hidden_layers)"
             )
         self.num_layers = num_layers
+        self.continues = None if continues is None else str(continues)
 
     def settings(self) -> dict[str, Any]:
-        return {"num_layers": self.num_layers}
+        return {"num_layers": self.num_layers}  # an export loads by path: `continues` is not part of it
+
+    def specs(self, role: str) -> dict[str, ModelSpec]:
+        return (
+            {} if self.continues is None else {role: ModelSpec(pretrained_model_name_or_path=self.continues)}
+        )
+
+    def continued_from(self, export: str) -> CutLayers:
+        """The same cut, its weights from the earlier export `export` (a cut of `num_layers` layers)."""
+        return CutLayers(self.num_layers, continues=export)
 
     @torch.no_grad()
     def build(self, target: nn.Module | None, vocab_size: int, pure_bf16: bool = False) -> nn.Module:
         """A model of the target's class with `num_layers` layers and the target's weights for them, in fp32
-        (bfloat16 under `pure_bf16`), in training mode with gradients (the target itself is not changed)."""
+        (bfloat16 under `pure_bf16`), in training mode with gradients (the target itself is not changed); with
+        `continues`, that export's weights instead."""
+        if self.continues is not None:
+            return self._continued(target, vocab_size, pure_bf16)
         if target is None:
             raise ValueError("a cut_layers draft is cut from the target: this stage loads no target model")
         config = copy.deepcopy(target.config)
@@ -64,6 +82,28 @@ class CutLayers(DraftKind):
             {name: tensor for name, tensor in target.state_dict().items() if name in wanted}
         )
         draft.to(next(target.parameters()).device)
+        draft.train()
+        draft.requires_grad_(True)
+        return draft
+
+    def _continued(self, target: nn.Module | None, vocab_size: int, pure_bf16: bool) -> nn.Module:
+        """The export `continues`, trainable, checked to be a cut of `num_layers` layers (of the target's class)."""
+        spec = trainable_spec(ModelSpec(pretrained_model_name_or_path=self.continues), pure_bf16=pure_bf16)
+        draft = load_model(spec, vocab_size=vocab_size)
+        check_model_covers_vocab("draft", draft, vocab_size)
+        layers = draft.config.num_hidden_layers
+        if layers != self.num_layers:
+            raise ConfigError(
+                f"{self.continues} is a cut of {layers} layers, but draft.num_layers={self.num_layers}: continue it "
+                f"with draft.num_layers={layers}, or start from the target (no init)"
+            )
+        if target is not None and type(draft) is not type(target):
+            raise ConfigError(
+                f"{self.continues} is a {type(draft).__name__}, not a cut of this target ({type(target).__name__}): "
+                "continue a cut of the same target, or start from the target (no init)"
+            )
+        if target is not None:
+            draft.to(next(target.parameters()).device)
         draft.train()
         draft.requires_grad_(True)
         return draft
