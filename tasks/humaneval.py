@@ -94,9 +94,10 @@ class HumanEvalSplits(HumanEval):
         if split == "test":
             return problems.select(range(self.evaluated))
         fractions = {"validation": self.validation_fraction}
+        ids = problems["task_id"]
         rows = [
             i
             for i in range(self.evaluated, len(problems))
-            if hash_split(f"humaneval/{problems[i]['task_id']}", fractions) == split
+            if hash_split(f"humaneval/{ids[i]}", fractions) == split
         ]
         return problems.select(rows)
