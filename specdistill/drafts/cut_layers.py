@@ -15,10 +15,9 @@ import torch
 from torch import nn
 
 from specdistill.drafts.base import DraftKind
+from specdistill.drafts.standalone import Standalone
 from specdistill.errors import ConfigError
-from specdistill.models.loading import ModelSpec, load_model
-from specdistill.models.precision import trainable_spec
-from specdistill.models.vocab import check_model_covers_vocab
+from specdistill.models.loading import ModelSpec
 
 
 class CutLayers(DraftKind):
@@ -88,9 +87,10 @@ class CutLayers(DraftKind):
 
     def _continued(self, target: nn.Module | None, vocab_size: int, pure_bf16: bool) -> nn.Module:
         """The export `continues`, trainable, checked to be a cut of `num_layers` layers (of the target's class)."""
-        spec = trainable_spec(ModelSpec(pretrained_model_name_or_path=self.continues), pure_bf16=pure_bf16)
-        draft = load_model(spec, vocab_size=vocab_size)
-        check_model_covers_vocab("draft", draft, vocab_size)
+        exported = Standalone(ModelSpec(pretrained_model_name_or_path=self.continues))
+        draft = exported.build(
+            target, vocab_size, pure_bf16=pure_bf16
+        )  # fp32 master weights, vocabulary checked
         layers = draft.config.num_hidden_layers
         if layers != self.num_layers:
             raise ConfigError(
