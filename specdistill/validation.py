@@ -36,6 +36,7 @@ def validate_config(cfg: DictConfig) -> None:
     check_reference_given(cfg)
     check_reference_rows(cfg)
     check_target_states(cfg)
+    check_zero3_kind(cfg)
     for key, path in model_paths(cfg):
         check_model_source(key, path)
     check_gguf_files(cfg)
@@ -194,6 +195,28 @@ def check_target_states(cfg: DictConfig) -> None:
             raise ConfigError(
                 f"{stage}.cache_target_states caches the target's hidden states a draft kind reads, but the "
                 f"draft kind {type(kind).__name__} reads none: use {stage}.cached_target=<m> instead"
+            )
+
+
+def zero3_requested(strategy: object) -> bool:
+    """Whether a trainer's `strategy` value (a preset's node or a Lightning registry name) asks for ZeRO-3."""
+    if isinstance(strategy, str):
+        return "stage_3" in strategy
+    return isinstance(strategy, DictConfig) and strategy.get("stage") == 3
+
+
+def check_zero3_kind(cfg: DictConfig) -> None:
+    """A draft kind that cannot train under DeepSpeed ZeRO-3 (`DraftKind.zero3_refusal`) is refused before the
+    target loads on every GPU."""
+    for stage in ("distill", "adaspec"):
+        if stage not in running_stages(cfg) or cfg.get(stage) is None:
+            continue
+        from specdistill.stages.build import draft_kind, trainer_config
+
+        kind = draft_kind(cfg)
+        if kind.zero3_refusal and zero3_requested(trainer_config(cfg, stage).get("strategy")):
+            raise ConfigError(
+                f"{stage} with the {type(kind).__name__} draft kind under DeepSpeed ZeRO-3: {kind.zero3_refusal}"
             )
 
 

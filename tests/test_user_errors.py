@@ -61,6 +61,18 @@ def test_adaspec_on_eagle3_heads_with_the_per_token_score_cache_is_refused_befor
     )  # no reference
 
 
+@pytest.mark.parametrize("strategy", ["trainer=deepspeed_zero3", "+trainer.strategy=deepspeed_stage_3"])
+def test_eagle3_heads_under_zero3_are_refused_before_anything_loads(strategy):
+    """ZeRO-3 would partition the target's embeddings and output layer, which the head reads directly."""
+    with pytest.raises(ConfigError, match=r"^distill with the Eagle3 draft kind under DeepSpeed ZeRO-3: .*"
+                       r"use trainer=deepspeed_zero2"):  # fmt: skip
+        validated("stage=pipeline", "draft=eagle3", strategy)
+    with pytest.raises(ConfigError, match=r"^adaspec with the Eagle3 draft kind under DeepSpeed ZeRO-3"):
+        validated("stage=adaspec", "draft=eagle3", "adaspec.reference=/nonexistent", strategy)
+    validated("stage=pipeline", "draft=eagle3", "trainer=deepspeed_zero2")
+    validated("stage=pipeline", "draft=cut_layers_3", strategy)  # a cut draft shards like any causal LM
+
+
 def test_a_key_no_setting_reads_is_refused_by_the_settings_themselves():
     """A key that reaches a stage's group without a '+' on the command line (a preset, a merged file) is refused when
     the typed settings are built, naming the key, the stage and the nearest key."""

@@ -138,6 +138,8 @@ class DraftKind:
     # whether `training_rows` gives one row per answer token (False: several, e.g. EAGLE-3's unrolled steps; an
     # AdaSPEC reference is then scored on those rows by a reference of the same kind, never from a per-token cache)
     one_row_per_token: bool = True
+    # why this kind cannot train under DeepSpeed ZeRO-3 and what to use instead (None: it can)
+    zero3_refusal: str | None = None
 
     def specs(self, role: str) -> dict[str, ModelSpec]:
         """The checkpoints this kind loads its draft from, by role name (their tokenizers are checked against the

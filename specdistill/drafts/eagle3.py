@@ -104,6 +104,11 @@ class Eagle3(DraftKind):
 
     reads_target = True
     one_row_per_token = False
+    zero3_refusal = (
+        "the head shares the frozen target's embeddings and reads its output layer directly, and ZeRO-3 would "
+        "partition them across ranks, which this kind does not gather yet: use trainer=deepspeed_zero2 (or ddp, "
+        "gpu), with the target's weights whole on every GPU"
+    )
 
     def __init__(
         self,
