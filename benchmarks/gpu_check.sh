@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One-GPU check of what CPU CI cannot run: the `gpu`-marked tests (DeepSpeed ZeRO-2/3 end to end, fp32 master weights
-# under every GPU preset), then a paper preset shrunk to a few minutes on random weights of its architectures
-# (benchmarks/gpu_preset_step.py), printing per training stage the step time, peak memory and the achieved fraction
-# of the GPU's peak bf16 FLOP/s, then the loss modes at a 152k vocabulary (benchmarks/bench_training_modes.py;
-# TRAINING_MODES=0 skips it). Offline: no hub download is needed.
+# under every GPU preset, EAGLE-3 heads under trainer=gpu and ZeRO-2 on a bf16 target, decoded on CUDA), then a paper
+# preset shrunk to a few minutes on random weights of its architectures (benchmarks/gpu_preset_step.py), printing
+# per training stage the step time, peak memory and the achieved fraction of the GPU's peak bf16 FLOP/s, then the
+# loss modes at a 152k vocabulary (benchmarks/bench_training_modes.py; TRAINING_MODES=0 skips it). Offline: no hub
+# download is needed.
 #
 #   bash benchmarks/gpu_check.sh                     # about 10 minutes on one H100/H200
 #   STEPS=10 EXPERIMENT=adaspec_3epoch PAIR=codegen_350m_to_phi2 bash benchmarks/gpu_check.sh
