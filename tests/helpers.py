@@ -52,6 +52,17 @@ def check_ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"train.py failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
 
 
+def evaluate_outputs(run_dir: Path) -> tuple[dict[int, list[int]], dict[str, dict[int, list[int]]]]:
+    """An evaluate run's generated tokens per example: the autoregressive target's (report entry 0), and every other
+    entry's by name."""
+    names = [e["name"] for e in json.loads((run_dir / "report.json").read_text())["entries"]]
+    by_name: dict[str, dict[int, list[int]]] = {}
+    for line in (run_dir / "outputs.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        by_name.setdefault(row["name"], {})[row["example_id"]] = row["tokens"]
+    return by_name.pop(names[0]), by_name
+
+
 def run_gloo_ranks(worker: str, *args: str, out_dir: Path, world_size: int = 2, timeout: int = 300) -> list:
     """Run the Python source `worker` in `world_size` fresh processes, one gloo rank each, and return what each rank
     wrote (JSON) in rank order. The worker starts with `rank, args, out = join_gloo()` (its process group is then

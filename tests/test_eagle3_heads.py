@@ -21,7 +21,7 @@ from specdistill.head_data.inputs import judged_head_inputs
 from specdistill.models.acceptance_head import AcceptanceHead
 from specdistill.modules.acceptance_head import AcceptanceHeadModule
 from specdistill.rollout.run import run_rollouts
-from tests.helpers import TINY, check_ok, run_train, stage_overrides
+from tests.helpers import TINY, check_ok, evaluate_outputs, run_train, stage_overrides
 from tests.test_eagle3 import AUX, V, fused_states, tiny_head, tiny_target
 from tests.test_engine import GREEDY
 from tests.threads import one_thread_per_module  # noqa: F401  (autouse fixture)
@@ -188,12 +188,6 @@ def test_train_py_rolls_out_trains_a_head_and_evaluates_it_with_the_eagle3_draft
                         "evaluate.selection_prompts=2", "evaluate.max_new_tokens=8", "evaluate.fixed_lengths=[2]",
                         "evaluate.acceptance_head.thresholds=[0.5]", "evaluate.acceptance_head.min_draft_length=1",
                         f"hydra.run.dir={runs['evaluate']}"]))  # fmt: skip
-    report = json.loads((runs["evaluate"] / "report.json").read_text())
-    names = [e["name"] for e in report["entries"]]
-    rows = [json.loads(line) for line in (runs["evaluate"] / "outputs.jsonl").read_text().splitlines()]
-    by_name: dict[str, dict[int, list[int]]] = {}
-    for row in rows:
-        by_name.setdefault(row["name"], {})[row["example_id"]] = row["tokens"]
-    baseline = by_name.pop(names[0])  # entry 0 is the autoregressive target
-    assert any("head" in name for name in by_name), names
+    baseline, by_name = evaluate_outputs(runs["evaluate"])
+    assert any("head" in name for name in by_name), list(by_name)
     assert baseline and all(outputs == baseline for outputs in by_name.values())

@@ -27,7 +27,7 @@ from specdistill.losses.divergence import forward_kl
 from specdistill.modules import DistillModule
 from specdistill.selection.reference import KindReference, OnlineReference
 from specdistill.selection.selectors import AdaSpecSelector, DraftLossSelector
-from tests.helpers import TINY, check_ok, run_train, stage_overrides
+from tests.helpers import TINY, check_ok, evaluate_outputs, run_train, stage_overrides
 from tests.test_eagle3 import AUX, tiny_target
 from tests.test_engine import GREEDY
 from tests.threads import one_thread_per_module  # noqa: F401  (autouse fixture)
@@ -283,10 +283,6 @@ def test_train_py_distils_an_eagle3_head_and_evaluates_its_export(tmp_path: Path
     report = json.loads((evaluate / "report.json").read_text())
     names = [e["name"] for e in report["entries"]]
     assert {"eagle/fixed_k2", "eagle_adaspec/fixed_k2"} <= set(names)
-    rows = [json.loads(line) for line in (evaluate / "outputs.jsonl").read_text().splitlines()]
-    by_name: dict[str, dict[int, list[int]]] = {}
-    for row in rows:
-        by_name.setdefault(row["name"], {})[row["example_id"]] = row["tokens"]
-    baseline = by_name.pop(names[0])  # entry 0 is the autoregressive target
+    baseline, by_name = evaluate_outputs(evaluate)
     assert baseline and any(name.startswith("eagle/") for name in by_name)
     assert all(outputs == baseline for outputs in by_name.values())  # greedy: token for token the target's

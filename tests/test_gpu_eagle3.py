@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import TINY, check_ok, run_train, stage_overrides
+from tests.helpers import TINY, check_ok, evaluate_outputs, run_train, stage_overrides
 
 pytestmark = pytest.mark.gpu
 
@@ -38,11 +38,6 @@ def test_an_eagle3_head_trains_on_a_bf16_target_and_decodes_losslessly_on_cuda(t
                         f"+evaluate.drafts.eagle_adaspec={adaspec / 'export'}", "evaluate.num_prompts=2",
                         "evaluate.selection_prompts=2", "evaluate.max_new_tokens=8", "evaluate.fixed_lengths=[2]",
                         f"hydra.run.dir={evaluate}"]))  # fmt: skip
-    rows = [json.loads(line) for line in (evaluate / "outputs.jsonl").read_text().splitlines()]
-    names = [e["name"] for e in json.loads((evaluate / "report.json").read_text())["entries"]]
-    by_name: dict[str, dict[int, list[int]]] = {}
-    for row in rows:
-        by_name.setdefault(row["name"], {})[row["example_id"]] = row["tokens"]
-    baseline = by_name.pop(names[0])  # entry 0 is the autoregressive target
+    baseline, by_name = evaluate_outputs(evaluate)
     assert baseline and {"eagle/fixed_k2", "eagle_adaspec/fixed_k2"} <= set(by_name)
     assert all(outputs == baseline for outputs in by_name.values())  # greedy: token for token the target's
