@@ -135,9 +135,7 @@ def test_a_cut_export_records_its_kind_and_loads_back_identical(tokenizer, tmp_p
     kind = CutLayers(num_layers=2)
     draft = kind.build(target, vocab_size=vocab)
     out = kind.export(draft, tokenizer, tmp_path / "export", {"stage": "distill"})
-    assert json.loads((out / KIND_FILE).read_text()) == {
-        "_target_": "specdistill.drafts.cut_layers.CutLayers", "num_layers": 2,
-    }  # fmt: skip
+    assert json.loads((out / KIND_FILE).read_text()) == {"kind": "cut_layers", "settings": {"num_layers": 2}}
     assert json.loads((out / "specdistill.json").read_text()) == {"stage": "distill"}
     loaded = load_draft(out, vocab_size=vocab)
     assert isinstance(loaded.kind, CutLayers) and loaded.kind.num_layers == 2 and loaded.source == str(out)
@@ -171,7 +169,7 @@ def test_a_cut_continued_from_its_export_trains_on_from_the_exported_weights(tok
         back["gpt_neox.layers.0.mlp.dense_h_to_4h.weight"],
     )
     again = continued.export(draft, tokenizer, tmp_path / "phase2", {"stage": "distill"})
-    assert json.loads((again / KIND_FILE).read_text())["num_layers"] == 2
+    assert json.loads((again / KIND_FILE).read_text())["settings"] == {"num_layers": 2}
     with pytest.raises(ConfigError, match=r"a cut of 2 layers, but draft.num_layers=1"):
         CutLayers(num_layers=1).continued_from(str(out)).build(target, vocab_size=vocab)
     with pytest.raises(ConfigError, match=r"not a cut of this target \(LlamaForCausalLM\)"):
@@ -187,18 +185,17 @@ def test_an_export_without_a_kind_record_loads_as_standalone(tokenizer, tmp_path
     assert all(torch.equal(model.state_dict()[k], v) for k, v in loaded.model.state_dict().items())
     # the standalone kind's own export records it
     Standalone().export(model, tokenizer, tmp_path / "new")
-    assert json.loads((tmp_path / "new" / KIND_FILE).read_text()) == {
-        "_target_": "specdistill.drafts.standalone.Standalone"
-    }
+    assert json.loads((tmp_path / "new" / KIND_FILE).read_text()) == {"kind": "standalone", "settings": {}}
     assert type(exported_kind(tmp_path / "new")) is Standalone
 
 
 @pytest.mark.parametrize(
     ("record", "message"),
     [
-        ({"_target_": "specdistill.drafts.no_such_kind.Missing"}, "cannot be built"),
-        ({"_target_": "collections.OrderedDict"}, "not a draft kind"),
-        ({"num_layers": 2}, "has no `_target_`"),
+        ({"_target_": "specdistill.drafts.no_such_kind.Missing"}, "not one of specdistill's draft kinds"),
+        ({"_target_": "collections.OrderedDict"}, "not one of specdistill's draft kinds"),
+        ({"num_layers": 2}, "holds the keys"),
+        ({"kind": "no_such_kind"}, "not registered"),
     ],
 )
 def test_a_bad_kind_record_is_a_clear_error(tokenizer, tmp_path: Path, record, message):
@@ -240,7 +237,7 @@ def test_train_py_distils_a_cut_draft_and_evaluates_its_export(tmp_path: Path):
     check_ok(run_train(["stage=distill", *pair, "draft=cut_layers", "draft.num_layers=1",
                         *stage_overrides("distill", 2), f"hydra.run.dir={distill}"]))  # fmt: skip
     export = distill / "export"
-    assert json.loads((export / KIND_FILE).read_text())["num_layers"] == 1
+    assert json.loads((export / KIND_FILE).read_text())["settings"] == {"num_layers": 1}
     assert AutoConfig.from_pretrained(export).num_hidden_layers == 1
     assert AutoConfig.from_pretrained(export).hidden_size == 32  # the target's width, not models.draft's (16)
     evaluate = tmp_path / "evaluate"

@@ -237,7 +237,7 @@ def test_export_is_the_vllm_layout_and_loads_back_identical(tokenizer, tmp_path:
     assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= set(weights)
     assert all(name.startswith(("fc.", "norm.", "lm_head.", "midlayer.", "d2t", "t2d")) for name in weights)
     assert weights["t2d"].dtype == torch.bool and weights["d2t"].dtype == torch.int64
-    assert json.loads((out / KIND_FILE).read_text())["_target_"] == "specdistill.drafts.eagle3.Eagle3"
+    assert json.loads((out / KIND_FILE).read_text())["kind"] == "eagle3"
     with pytest.raises(ValueError, match="load it with the target"):
         load_draft(out, vocab_size=vocab)
     loaded = load_draft(out, vocab_size=vocab, target=target)

@@ -1,8 +1,10 @@
 """Draft kinds (`DraftKind`): how a draft is built, trained, exported, loaded and decoded with; see `base.py`.
 
-`load_draft(spec)` loads any export by path: it builds the kind the export records in `draft_kind.json` (a Hydra node
-whose `_target_` is the kind's class) and lets that kind load it; an export without a record (older exports, hub
-models) is a standalone causal LM.
+`load_draft(spec)` loads any export by path: it looks up the kind the export names in `draft_kind.json` in the
+registry of kinds (`registry.py`; an export is data: nothing it names is imported, called or unpickled) and lets that
+kind load it. An export without a record is a head in another trainer's layout that a kind recognises
+(`DraftKind.from_layout`, e.g. an EAGLE-3 head saved by SpecForge) or else a standalone causal LM (older exports,
+hub models).
 """
 
 from __future__ import annotations
@@ -10,8 +12,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hydra.errors import InstantiationException
-from hydra.utils import instantiate
 from torch import nn
 
 from specdistill.drafts.base import (
@@ -23,6 +23,7 @@ from specdistill.drafts.base import (
     TrainingRows,
     target_pass,
 )
+from specdistill.drafts.registry import kind_from_record, known_kinds, register_kind
 from specdistill.drafts.standalone import Standalone
 from specdistill.errors import InputFileError
 from specdistill.models.loading import ModelSpec
@@ -37,41 +38,38 @@ __all__ = [
     "TrainingRows",
     "exported_kind",
     "load_draft",
+    "register_kind",
     "target_pass",
 ]
 
 
 def exported_kind(path: str | Path) -> DraftKind:
-    """The draft kind an export records (`<path>/draft_kind.json`); `Standalone()` when it records none.
+    """The draft kind an export records (`<path>/draft_kind.json`); without a record, the kind that recognises the
+    folder's layout (`DraftKind.from_layout`), else `Standalone()`.
 
     Raises:
-        InputFileError: the record is not JSON with a `_target_`, names a class that cannot be imported or built,
-            or builds something that is not a `DraftKind`.
+        InputFileError: the record is not JSON, names no registered kind, or holds settings that are not plain
+            values of that kind's settings (`registry.kind_from_record`): it is refused, and nothing in it runs.
     """
-    record_path = Path(path).expanduser() / KIND_FILE
+    folder = Path(path).expanduser()
+    record_path = folder / KIND_FILE
     if not record_path.is_file():
-        return Standalone()
+        return recognised_kind(folder)
     try:
         record = json.loads(record_path.read_text())
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise InputFileError(f"{record_path} is not valid JSON ({error}): re-export the draft") from error
-    if not isinstance(record, dict) or "_target_" not in record:
-        raise InputFileError(
-            f"{record_path} has no `_target_` (the draft kind's class, e.g. specdistill.drafts.standalone.Standalone): "
-            "re-export the draft, or delete the file if the export is a standalone causal LM"
-        )
-    try:
-        kind = instantiate(record)
-    except InstantiationException as error:
-        raise InputFileError(
-            f"the export {path} records the draft kind {record['_target_']!r}, which cannot be built here ({error}). "
-            "Use the specdistill version that wrote it, or install the package that defines that kind."
-        ) from error
-    if not isinstance(kind, DraftKind):
-        raise InputFileError(
-            f"{record_path} names {record['_target_']!r}, which is not a draft kind (a specdistill.drafts.DraftKind)"
-        )
-    return kind
+    return kind_from_record(record, record_path)
+
+
+def recognised_kind(folder: Path) -> DraftKind:
+    """The kind whose `from_layout` recognises `folder` (an export without our record), else `Standalone()`."""
+    if folder.is_dir():
+        for cls in known_kinds().values():
+            kind = cls.from_layout(folder)
+            if kind is not None:
+                return kind
+    return Standalone()
 
 
 def load_draft(

@@ -5,8 +5,9 @@ draft cut from the target's own first layers (`cut_layers.py`), and later kinds 
 states. One object per kind is built by Hydra from `conf/draft/<kind>.yaml` (`cfg.draft`); the stages only call
 its methods, so a new kind is one new module and one config file.
 
-An export records its kind in `draft_kind.json` (`KIND_FILE`): the Hydra node `record()` returns, with the kind's
-class as `_target_`. `specdistill.drafts.load_draft` builds the kind back from that node and lets it load the export.
+An export records its kind in `draft_kind.json` (`KIND_FILE`): `record()`, the kind's registry name and its settings as
+plain values. `specdistill.drafts.load_draft` looks the name up in `specdistill.drafts.registry` (never importing or
+calling anything the record names), checks the settings against the kind's typed settings and lets it load the export.
 """
 
 from __future__ import annotations
@@ -140,6 +141,14 @@ class DraftKind:
     one_row_per_token: bool = True
     # why this kind cannot train under DeepSpeed ZeRO-3 and what to use instead (None: it can)
     zero3_refusal: str | None = None
+    # the constructor parameters an export records (`settings()`); only these, as plain values, are read back
+    exported_settings: tuple[str, ...] = ()
+
+    @classmethod
+    def from_layout(cls, path: Path) -> DraftKind | None:
+        """This kind, when the folder `path` holds a draft of it in another trainer's layout without our record
+        (`draft_kind.json`); None when it does not look like one (the default)."""
+        return None
 
     def specs(self, role: str) -> dict[str, ModelSpec]:
         """The checkpoints this kind loads its draft from, by role name (their tokenizers are checked against the
@@ -263,12 +272,14 @@ class DraftKind:
         return model
 
     def record(self) -> dict[str, Any]:
-        """The Hydra node that rebuilds this kind from an export: its class as `_target_` and its settings."""
-        cls = type(self)
-        return {"_target_": f"{cls.__module__}.{cls.__qualname__}", **self.settings()}
+        """What an export records of this kind: its registry name and its settings (plain JSON values)."""
+        from specdistill.drafts.registry import kind_name  # the registry imports the kinds, which import this
+
+        return {"kind": kind_name(type(self)), "settings": self.settings()}
 
     def settings(self) -> dict[str, Any]:
-        """The constructor arguments an export of this kind needs to be loaded (JSON values); none by default."""
+        """The constructor arguments an export of this kind needs to be loaded (plain JSON values, the parameters
+        `exported_settings` names); none by default."""
         return {}
 
     def write_record(self, out_dir: Path) -> Path:

@@ -29,6 +29,8 @@ class CutLayers(DraftKind):
             stage=sequential) instead of cutting the target again; None: cut from the target.
     """
 
+    exported_settings = ("num_layers",)
+
     def __init__(self, num_layers: int, continues: str | None = None) -> None:
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
             raise ConfigError(

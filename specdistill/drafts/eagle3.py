@@ -104,6 +104,7 @@ class Eagle3(DraftKind):
 
     reads_target = True
     one_row_per_token = False
+    exported_settings = ("draft_vocab_size", "aux_layer_ids", "ttt_steps", "step_weight", "norm_before_residual")
     zero3_refusal = (
         "the head shares the frozen target's embeddings and reads its output layer directly, and ZeRO-3 would "
         "partition them across ranks, which this kind does not gather yet: use trainer=deepspeed_zero2 (or ddp, "

@@ -98,6 +98,8 @@ def load_model(spec: ModelSpec, vocab_size: int | None = None) -> PreTrainedMode
                 f"No Hugging Face model at {local}: expected a directory with config.json (a hub id or the "
                 "export directory of an earlier stage, e.g. <run_dir>/export)."
             )
+        if is_local(path):
+            require_safetensors(local)
         log.info("loading %s (revision=%s, dtype=%s)", path, spec.revision, spec.dtype)
         placement = {}
         if spec.device_map is not None:
@@ -130,6 +132,25 @@ def load_model(spec: ModelSpec, vocab_size: int | None = None) -> PreTrainedMode
 
 
 GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file (llama.cpp's gguf format)
+
+
+PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.ckpt")
+
+
+def require_safetensors(folder: Path) -> None:
+    """Refuse a local model folder whose weights are not safetensors: a pickle is never unpickled.
+
+    Raises:
+        InputFileError: `folder` has neither `model.safetensors` nor its sharded index.
+    """
+    if (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file():
+        return
+    pickled = [name for name in PICKLED_WEIGHTS if (folder / name).exists()]
+    found = f"found {', '.join(pickled)}: pickles, which specdistill never loads" if pickled else "found no weights"
+    raise InputFileError(
+        f"{folder} has no model.safetensors ({found}): convert the weights to safetensors (save_pretrained with "
+        "safe_serialization=True) or re-export the model"
+    )
 
 
 def is_local(path: str) -> bool:
