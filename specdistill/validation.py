@@ -18,6 +18,7 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.errors import ConfigError, InputFileError
+from specdistill.plan_checks import check_plan
 from specdistill.stages.settings import RolloutSettings, StageSettings, TrainingSettings, build_settings
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ def validate_config(cfg: DictConfig) -> None:
             raise InputFileError(
                 f"{key}={path}: no such file or directory; pass the folder an earlier run wrote."
             )
+    check_plan(cfg, running_stages(cfg))
     check_code_execution(cfg)
 
 

@@ -10,6 +10,7 @@ import torch
 from test_distill_module import VOCAB, loader, make_batches, make_examples, make_trainer, tiny_lm
 from torch import nn
 
+from specdistill.errors import ConfigError
 from specdistill.losses import ForwardKL
 from specdistill.modules.distill import DistillModule
 from specdistill.selection.reference import OnlineReference
@@ -154,3 +155,30 @@ def test_train_py_runs_adaspec_with_a_self_reference_and_no_reference_stage(tmp_
     assert "self-reference: no reference model is loaded" in proc.stdout + proc.stderr
     assert (tmp_path / "export" / "config.json").is_file()
     assert not (tmp_path / "reference_scores").exists()
+
+
+@pytest.mark.parametrize(
+    ("mode", "options", "trainer"),
+    [
+        (
+            "lagged",
+            {"every": 8},
+            {"max_epochs": 1},
+        ),  # 14 examples, batch 2: 7 optimizer steps, known from the data
+        ("ema", {"warmup_steps": 3}, {"max_steps": 3}),
+    ],
+)
+def test_a_run_that_ends_before_the_reference_scores_is_refused_at_fit_start(mode, options, trainer):
+    """The planned steps (epochs x batches, or max_steps) end before the self-reference is old enough to score: the
+    run would be plain distillation exported as AdaSPEC, so it stops before the first optimizer step."""
+    draft = tiny_lm(1, hidden=16)
+    before = _weights(draft)
+    module = DistillModule(
+        draft=draft, target=tiny_lm(2), vocab_size=VOCAB, divergence=ForwardKL(),
+        optimizer=functools.partial(torch.optim.AdamW, lr=5e-2),
+        selector=SelfReferenceSelector(k=0.5, self_reference=mode, **options),
+        reference=SelfReference(draft, _online, mode=mode, **options),
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"first scores at optimizer step \d+, but the run has \d+"):
+        make_trainer(**trainer).fit(module, loader(make_batches(make_examples(14), 2, 1)))
+    assert torch.equal(_weights(draft), before)  # not one step trained

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from specdistill.errors import ConfigError
 from specdistill.selection.reference import ReferenceScores
 
 MODES = ("lagged", "ema")
@@ -93,7 +94,15 @@ class SelfReference(ReferenceScores):
         return self.inner.score_rows(batch, answer_mask, target, rows)
 
     def place(self, trainer: Any) -> None:
+        """Refuse ZeRO-3 and a run whose optimizer steps end before the reference first scores, then place it."""
         from specdistill.utils.strategy import deepspeed_stage
+
+        planned = trainer.estimated_stepping_batches
+        if planned != float("inf"):
+            check_scoring_starts(
+                first_scoring_step(self.mode, self.every, self.warmup_steps), int(planned),
+                "the adaspec run's planned optimizer steps (trainer.estimated_stepping_batches)",
+            )  # fmt: skip
 
         if deepspeed_stage(trainer.strategy) == 3:
             raise ValueError(
@@ -152,17 +161,57 @@ class SelfReference(ReferenceScores):
         self._pending = None if pending is None else {k: v.to(device) for k, v in pending.items()}
 
 
+def first_scoring_step(mode: str, every: int, warmup_steps: int) -> int:
+    """The first optimizer step a self-reference scores (`SelfReference.scores_step`): `every` for `lagged` (the
+    first snapshot is then `every` steps old), `warmup_steps` for `ema`."""
+    return int(every) if mode == "lagged" else int(warmup_steps)
+
+
+def check_scoring_starts(first: int, steps: int, where: str) -> None:
+    """Refuse a run of `steps` optimizer steps (described by `where`) in which a self-reference that first scores at
+    step `first` never scores: it would train plain distillation and export it as AdaSPEC.
+
+    Raises:
+        ConfigError: `first >= steps`.
+    """
+    if first < steps:
+        return
+    raise ConfigError(
+        f"the self-reference first scores at optimizer step {first}, but the run has {steps} ({where}): every step "
+        f"would be plain distillation exported as AdaSPEC. Lower selector.every (lagged) or selector.warmup_steps (ema) "
+        f"below {steps} (e.g. {max(1, steps // 4)}), or train longer"
+    )
+
+
+def _integer_at_least_one(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+
+
 def check_self_reference(mode: str, every: int, decay: float, warmup_steps: int) -> None:
-    """Raise ValueError naming the option and its range for a self-reference setting out of range."""
+    """Raise ConfigError (a ValueError) naming the `selector.<option>`, its value, its range and the fix for a
+    self-reference setting out of range; only the options `mode` reads are checked."""
     if mode not in MODES:
-        raise ValueError(f"selector.self_reference must be one of {list(MODES)}, got {mode!r}")
-    if mode == "lagged" and (not isinstance(every, int) or every < 1):
-        raise ValueError(
-            f"selector.every (optimizer steps between refreshes) must be an integer >= 1, got {every}"
+        raise ConfigError(
+            f"selector.self_reference={mode!r} must be one of {list(MODES)}: choose selector=adaspec_lagged or "
+            "selector=adaspec_ema"
         )
-    if mode == "ema" and not 0.0 < float(decay) < 1.0:
-        raise ValueError(f"selector.decay (the EMA's weight on its past) must be in (0, 1), got {decay}")
-    if mode == "ema" and (not isinstance(warmup_steps, int) or warmup_steps < 1):
-        raise ValueError(
-            f"selector.warmup_steps must be an integer >= 1 (at step 0 the EMA is the current draft), got {warmup_steps}"
+    if mode == "lagged" and not _integer_at_least_one(every):
+        raise ConfigError(
+            f"selector.every={every!r}: the optimizer steps between refreshes of the lagged reference must be an "
+            "integer >= 1: set e.g. selector.every=50"
         )
+    if mode == "ema":
+        try:
+            in_range = 0.0 < float(decay) < 1.0  # False for NaN
+        except (TypeError, ValueError):
+            in_range = False
+        if isinstance(decay, bool) or not in_range:
+            raise ConfigError(
+                f"selector.decay={decay!r}: the EMA's weight on its past must lie in (0, 1) (mean age "
+                "decay / (1 - decay) steps): set e.g. selector.decay=0.99"
+            )
+        if not _integer_at_least_one(warmup_steps):
+            raise ConfigError(
+                f"selector.warmup_steps={warmup_steps!r} must be an integer >= 1 (at step 0 the EMA is the current "
+                "draft, which must not score itself): set e.g. selector.warmup_steps=10"
+            )
