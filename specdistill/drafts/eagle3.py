@@ -16,7 +16,12 @@
   `specdistill.json` and `draft_kind.json`; and in `speculators/` the same head in vLLM's `speculators` format
   (`Eagle3Speculator`, `specdistill.export.speculators`), naming the target it was built on as its verifier.
 - `load`: needs the loaded target (`load_draft(..., target=...)`, which evaluate, rollout and acceptance_head
-  pass), whose input embeddings the head attaches; `proposer`: an `Eagle3Proposer`.
+  pass), whose input embeddings the head attaches, and refuses in one line a target the head does not fit (another
+  hidden size or vocabulary, too few layers for its `aux_layer_ids`); `proposer`: an `Eagle3Proposer`.
+- heads trained elsewhere, without our record: `Eagle3.from_layout(path)` recognises an EAGLE-3 head in the layout
+  vLLM and SGLang read (SpecForge's and SafeAILab/EAGLE's `LlamaForCausalLMEagle3`, vLLM's other names for its Llama
+  EAGLE-3 head) or in vLLM's `speculators` layout (`speculators_model_type: eagle3`), and `load` reads it: its tensors
+  renamed to ours, its shape from its config (`read_foreign_head`). One it cannot hold is one `InputFileError`.
 - `teacher_forced`: SpecDec++ on the head (rollout labels, acceptance-head inputs): the unroll's step 0 over the
   target's states, the state after the final norm and the logits on target ids (`-inf` outside the draft vocabulary).
 
@@ -33,12 +38,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from specdistill.decoding.proposers.eagle3 import Eagle3Proposer
 from specdistill.drafts.base import DraftKind, DraftStates, TargetPass, TrainingRows, target_states
+from specdistill.drafts.eagle3_foreign import WEIGHTS_FILE, one_line, read_foreign_head
 from specdistill.errors import ConfigError, InputFileError
 from specdistill.export.hf import umask_modes
 from specdistill.export.speculators import export_speculators, verifier_of
@@ -54,7 +61,6 @@ from specdistill.models.loading import ModelSpec
 
 log = logging.getLogger(__name__)
 
-WEIGHTS_FILE = "model.safetensors"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 SPECULATORS_DIR = "speculators"  # the same head in vLLM's speculators format (specdistill.export.speculators)
 
@@ -104,7 +110,13 @@ class Eagle3(DraftKind):
 
     reads_target = True
     one_row_per_token = False
-    exported_settings = ("draft_vocab_size", "aux_layer_ids", "ttt_steps", "step_weight", "norm_before_residual")
+    exported_settings = (
+        "draft_vocab_size",
+        "aux_layer_ids",
+        "ttt_steps",
+        "step_weight",
+        "norm_before_residual",
+    )
     zero3_refusal = (
         "the head shares the frozen target's embeddings and reads its output layer directly, and ZeRO-3 would "
         "partition them across ranks, which this kind does not gather yet: use trainer=deepspeed_zero2 (or ddp, "
@@ -293,28 +305,69 @@ class Eagle3(DraftKind):
         umask_modes(out)
         return out
 
+    @classmethod
+    def from_layout(cls, path: Path) -> Eagle3 | None:
+        """The kind of an EAGLE-3 head that `path` holds without our `draft_kind.json` record, in the layout vLLM and
+        SGLang read (SpecForge, SafeAILab/EAGLE) or in vLLM's `speculators` layout; None when `path` is no EAGLE-3 head
+        (a Hugging Face causal LM, a hub id, no folder). Its settings are the head's (draft vocabulary, fused target
+        layers, `norm_before_residual`); `load` reads the head.
+
+        Raises:
+            InputFileError: the folder holds an EAGLE-3 head this kind cannot read (tensors missing, unknown or of
+                shapes its config.json does not give, options the head does not have): one line naming the folder,
+                what it found and what it expects.
+        """
+        head = read_foreign_head(Path(path))
+        if head is None:
+            return None
+        return cls(
+            draft_vocab_size=head.fields["draft_vocab_size"],
+            aux_layer_ids=head.aux_layer_ids,
+            norm_before_residual=head.fields["norm_before_residual"],
+        )
+
     def load(
         self, spec: ModelSpec, vocab_size: int | None = None, target: nn.Module | None = None
     ) -> nn.Module:
-        """The exported head in `spec.dtype`, on the target's embeddings (`target` is required)."""
+        """The head in `spec.dtype`, on the target's embeddings (`target` is required): our export (its config.json's
+        `specdistill_eagle3`), or a head trained elsewhere (`from_layout`'s layouts; fused target layers it does not
+        record are vLLM's default for this target). A target the head does not fit is refused before any tensor is
+        read (`check_head_fits_target`)."""
         path = Path(spec.pretrained_model_name_or_path).expanduser()
         if target is None:
             raise ValueError(
                 f"{path} is an EAGLE-3 head, which drafts on the target's embeddings and hidden states: load it "
                 "with the target (load_draft(path, vocab_size, target=target))"
             )
-        config = config_from_export(path)
+        foreign = None if _is_our_export(path) else read_foreign_head(path)
+        if foreign is None:
+            config = config_from_export(path)
+            check_head_fits_target(config, target, path)
+            try:
+                state = load_file(str(path / WEIGHTS_FILE))
+            except (OSError, SafetensorError) as error:
+                raise InputFileError(
+                    f"{path / WEIGHTS_FILE} is not a readable EAGLE-3 head ({one_line(error)}): it was probably cut "
+                    "short while copying; copy or re-export it"
+                ) from error
+        else:
+            config = foreign.config(target)
+            check_head_fits_target(config, target, path, recorded=foreign.aux_layer_ids is not None)
+            state = foreign.state_dict(target)
         head = Eagle3Head(config)
         try:
-            head.load_state_dict(load_file(str(path / WEIGHTS_FILE)), strict=True)
+            head.load_state_dict(state, strict=True)
         except (OSError, RuntimeError) as error:
             raise InputFileError(
-                f"{path / WEIGHTS_FILE} does not hold this EAGLE-3 head ({error})"
+                f"{path / WEIGHTS_FILE} does not hold this EAGLE-3 head ({one_line(error)})"
             ) from error
         head.to(dtype=spec.torch_dtype)
         head.attach_embeddings(target.get_input_embeddings())
         head.to(target.get_input_embeddings().weight.device)
+        # the kind describes the head it loaded (a kind built with defaults, for a head without our record, included)
         self.aux_layer_ids = self.target_layers = config.aux_layer_ids
+        self.draft_vocab_size = config.draft_vocab_size
+        self.norm_before_residual = config.norm_before_residual
         self.verifier = verifier_of(target)
         return head.eval()
 
@@ -391,3 +444,63 @@ def config_from_export(path: Path) -> Eagle3Config:
         raise InputFileError(
             f"{config_path} is not a specdistill EAGLE-3 export's config ({error!r}): re-export the head"
         ) from error
+
+
+def _is_our_export(path: Path) -> bool:
+    """Whether `path/config.json` records our head's shape (`specdistill_eagle3`, what `export_config` writes)."""
+    try:
+        record = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and "specdistill_eagle3" in record
+
+
+# ---------------------------------------------------------------------------------------------- the target
+
+
+def _target_name(target: nn.Module) -> str:
+    name = verifier_of(target)[0]
+    return f"{type(target).__name__} {name}" if name else type(target).__name__
+
+
+def check_head_fits_target(
+    config: Eagle3Config, target: nn.Module, source: Path, recorded: bool = True
+) -> None:
+    """Refuse, before any tensor op, a target whose states or embeddings the head `config` (read from `source`)
+    cannot take: another hidden size (`fc` reads `3 x target_hidden_size` features, the layer the target's
+    embeddings of width `hidden_size`), another vocabulary (`t2d` and the embeddings have `vocab_size` rows), or too
+    few layers for `aux_layer_ids` (`recorded`: the head names them; else they are the target's default).
+
+    Raises:
+        ConfigError: one line naming the export, what the head was trained on, what this target has, and the fix.
+    """
+    text = target.config.get_text_config(decoder=True)
+    hidden, layers = int(text.hidden_size), int(text.num_hidden_layers)
+    rows, width = (int(n) for n in target.get_input_embeddings().weight.shape)
+    name = _target_name(target)
+    fix = (
+        "evaluate it with the target it was trained on (models.target), or train a head for this target "
+        "(draft=eagle3)"
+    )
+    if config.target_hidden_size != hidden:
+        raise ConfigError(
+            f"the EAGLE-3 head {source} reads a target of hidden size {config.target_hidden_size} (its "
+            f"target_hidden_size), but this target ({name}) has hidden size {hidden}: {fix}"
+        )
+    if config.hidden_size != width:
+        raise ConfigError(
+            f"the EAGLE-3 head {source} is {config.hidden_size} wide and reads the target's input embeddings, but "
+            f"this target's ({name}) are {width} wide: {fix}"
+        )
+    if config.vocab_size != rows:
+        raise ConfigError(
+            f"the EAGLE-3 head {source} drafts over a target vocabulary of {config.vocab_size} tokens (its "
+            f"vocab_size), but this target ({name}) has {rows} input embeddings: {fix}"
+        )
+    ids = list(config.aux_layer_ids)
+    if max(ids) >= layers:
+        where = "its eagle_aux_hidden_state_layer_ids" if recorded else "vLLM's default for this target"
+        raise ConfigError(
+            f"the EAGLE-3 head {source} fuses the target states entering layers {ids} ({where}), but this target "
+            f"({name}) has {layers} layers: {fix}"
+        )

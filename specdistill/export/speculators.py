@@ -5,7 +5,9 @@
 `speculators.SpeculatorModel.from_pretrained` loads as an `Eagle3DraftModel` (to fine-tune it there, or to serve it
 with the verifier it names). The layout mirrors what speculators' own `save_pretrained` and its EAGLE-3 converter
 (`speculators/convert/eagle/eagle3_converter.py`, which renames SpecForge's `midlayer.*` to `layers.0.*`) write; this
-module does not import speculators (it pins an older transformers: tests/speculators_env.sh).
+module does not import speculators (it pins an older transformers: tests/speculators_env.sh). A speculators EAGLE-3
+head without our record (ours or one trained with speculators) is read back by `specdistill.drafts.eagle3`
+(`Eagle3.from_layout`, `read_foreign_head`) through `our_key` and the constants below.
 """
 
 from __future__ import annotations
@@ -27,12 +29,25 @@ SPECULATORS_VERSION = (
 ARCHITECTURE = "Eagle3Speculator"  # Eagle3SpeculatorConfig's default `architectures`
 WEIGHTS_FILE = "model.safetensors"
 LAYER_PREFIX = "layers.0."  # speculators' decoder layers; our one `midlayer` is its first (and only) layer
+MODEL_TYPE = "eagle3"  # `speculators_model_type`, the field vLLM recognises a speculators checkpoint by
+# the verifier's tensors a speculators model holds beside the head (model.py `_load_verifier_weights`: its final norm
+# and lm_head, for training); a checkpoint may carry them, and drafting reads neither
+VERIFIER_TENSORS = ("verifier_norm.weight", "verifier_lm_head.weight")
+# speculators' variants of the head (an input norm before fc, per-layer fc norms, EAGLE 3.1's normed feedback): config
+# fields that are false in every head `Eagle3Head` can hold
+VARIANT_FIELDS = ("norm_before_fc", "fc_norm", "norm_output")
 
 
 def speculators_key(name: str) -> str:
     """Our state-dict name -> speculators' (`midlayer.X` -> `layers.0.X`; `fc`, `norm`, `lm_head`, `d2t`, `t2d`
     keep their names), as speculators' EAGLE-3 converter renames a SpecForge/EAGLE-3 checkpoint's keys."""
     return LAYER_PREFIX + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name
+
+
+def our_key(name: str) -> str:
+    """The inverse of `speculators_key`: speculators' `layers.0.X` -> our `midlayer.X`, other names unchanged (vLLM's
+    `llama_eagle3.py` reads SpecForge's `midlayer.X` as `layers.0.X` the same way)."""
+    return "midlayer." + name.removeprefix(LAYER_PREFIX) if name.startswith(LAYER_PREFIX) else name
 
 
 def export_speculators(
@@ -215,7 +230,7 @@ def speculators_config(
         raise ValueError(f"speculative_tokens={speculative_tokens!r} must be an int >= 1")
     return {
         "architectures": [ARCHITECTURE],
-        "speculators_model_type": "eagle3",
+        "speculators_model_type": MODEL_TYPE,
         "speculators_version": SPECULATORS_VERSION,
         "transformer_layer_config": transformer_layer_config(config, tokenizer, dtype),
         "draft_vocab_size": config.draft_vocab_size,

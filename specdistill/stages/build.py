@@ -26,7 +26,7 @@ from specdistill.callbacks.fingerprint import RunFingerprint
 from specdistill.callbacks.progress import training_progress_bar
 from specdistill.callbacks.scaleout import scaleout_callbacks
 from specdistill.data.datamodule import TaskDataModule
-from specdistill.drafts import DraftKind, LoadedDraft, Standalone, load_draft
+from specdistill.drafts import DraftKind, LoadedDraft, Standalone, exported_kind, load_draft
 from specdistill.export.hf import export_pretrained
 from specdistill.export.publish import publish_export
 from specdistill.models import ModelSpec, check_model_covers_vocab, check_same_tokenizer, freeze, load_model
@@ -76,6 +76,21 @@ def draft_kind(cfg: DictConfig, init: str | None = None) -> DraftKind:
     node = cfg.get("draft")
     kind = Standalone(model_spec(cfg.models.draft)) if node is None else instantiate(node)
     return kind if init is None else kind.continued_from(init)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def brings_tokenizer(spec: ModelSpec) -> bool:
+    """Whether `spec` has a tokenizer of its own to check against the pair's: every model but a head on the target's
+    states saved without one (a SpecForge EAGLE-3 checkpoint): it drafts the target's ids, and its vocabulary size is
+    checked against the target's when it loads (`specdistill.drafts.eagle3.check_head_fits_target`)."""
+    if not spec.is_pretrained or spec.gguf_file is not None:
+        return True
+    folder = Path(spec.pretrained_model_name_or_path).expanduser()
+    if not folder.is_dir() or any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return True
+    return not exported_kind(folder).reads_target
 
 
 def _check_placement(specs: Mapping[str, ModelSpec], placed_roles: tuple[str, ...]) -> None:
@@ -163,7 +178,7 @@ def load_frozen_target_and_drafts(
     checks as every other stage. Each draft export (see `named_drafts`) loads through the kind it records."""
     specs = {"target": model_spec(cfg.models.target), **drafts}
     _check_placement(specs, ("target",))
-    tokenizer = shared_tokenizer(cfg, specs)
+    tokenizer = shared_tokenizer(cfg, {name: spec for name, spec in specs.items() if brings_tokenizer(spec)})
     vocab_size = len(tokenizer)
     target = _load_checked("target", specs.pop("target"), vocab_size)
     loaded = {name: load_draft(spec, vocab_size, target) for name, spec in specs.items()}
