@@ -1,7 +1,8 @@
 """Caches computed once over a dataset at fit start: one mechanism (key, compute, merge, load) and one trigger.
 
 - `digest`: `weights_digest(model)` (every weight, to the bit), what the keys are made of.
-- `store`: `SharedPass` (a cache's key, tables and per-rank computation) and `build_or_reuse`.
+- `store`: `SharedPass` (a cache's key, tables and per-rank computation) and `build_or_reuse`, which verifies a
+  cache's tables against the digests its key file recorded before reusing them (`check_contents`).
 - `fit_start`: `FitStartCache` (a provider built at fit start), `FitStart` and `prepare_caches`, called by the
   modules at fit start.
 

@@ -9,7 +9,9 @@ remaining tail mass (`specdistill.losses.sparse.top_m`). Storage: one `datasets`
 `example_id`, `log_probs` (n_i * m float32), `token_ids` (n_i * m int32) and `tail_mass` (n_i float32), and
 `path/specdistill_target_cache.json` holding the key: the model's identity (its config and a digest of every weight,
 `specdistill.caches.weights_digest`), the tokenizer's fingerprint, each tokenised split's fingerprint, the vocabulary
-size and m. Computing, merging across ranks and reusing go through `specdistill.caches.build_or_reuse`.
+size and m, and, written last, the sha256, size and rows of each split's table. Computing, merging across ranks and
+reusing go through `specdistill.caches.build_or_reuse`, which verifies the tables before reusing them (a table changed
+or truncated on disk is recomputed, with a warning naming the folder).
 
 `CachedTarget.load(path, model=..., tokenizer=..., datamodule=...)` refuses a cache made from another model,
 tokenizer or dataset (naming which one differs) and serves `rows(batch, answer_mask, split) -> SparseRows` by
@@ -32,7 +34,14 @@ from torch import nn
 
 from specdistill.caches.digest import weights_digest
 from specdistill.caches.fit_start import FitStart, FitStartCache
-from specdistill.caches.store import SharedPass, build_or_reuse, load_tables
+from specdistill.caches.store import (
+    SharedPass,
+    build_or_reuse,
+    inputs_of,
+    load_checked,
+    load_tables,
+    read_key,
+)
 from specdistill.losses.answers import answer_mask
 from specdistill.losses.rows import answer_rows
 from specdistill.losses.sparse import SparseRows, top_m
@@ -242,14 +251,17 @@ class CachedTarget:
         splits: tuple[str, ...] = ("train", "validation"),
     ) -> CachedTarget:
         """Open the cache at `path` if it was built from exactly this model identity (`model_identity`), tokenizer,
-        tokenised splits, vocabulary and m; raise a ValueError naming what differs otherwise."""
-        key_file = Path(path) / KEY_FILE
-        if not key_file.is_file():
+        tokenised splits, vocabulary and m; raise a ValueError naming what differs otherwise.
+
+        Its tables are verified against the digests its key file recorded (`specdistill.caches.store.load_checked`):
+        without the target they cannot be recomputed here, so a table changed, truncated or missing since it was
+        written, or a cache written without digests, raises a one-line `InputFileError` naming it and the fix."""
+        stored = read_key(path, KEY_FILE)
+        if stored is None:
             raise ValueError(
                 f"{path} holds no cached target distributions ({KEY_FILE} is missing): build them with "
                 "build_target_cache(path, target, tokenizer, datamodule, vocab_size, m)"
             )
-        stored = json.loads(key_file.read_text())
         wanted = cache_key(model, tokenizer, datamodule, vocab_size, m, splits)
         names = {"model": "target model", "tokenizer": "tokenizer", "data": "dataset (tokenised splits)"}
         differing = [names.get(k, k) for k in wanted if stored.get(k) != wanted[k]]
@@ -259,7 +271,8 @@ class CachedTarget:
                 "this run uses; rebuild them with build_target_cache for this target, tokenizer and dataset, or "
                 "point the run at the matching cache"
             )
-        return cls(path, stored)
+        fix = "rebuild the cache with build_target_cache(path, target, tokenizer, datamodule, vocab_size, m)"
+        return cls(path, inputs_of(stored), load_checked(path, KEY_FILE, stored, list(stored["data"]), fix))
 
     def rows(self, batch: Mapping[str, Any], keep: torch.Tensor, split: str) -> SparseRows:
         """The cached rows of the batch's answer positions, in the row-major order of `keep` `(B, T-1)`."""

@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from specdistill.caches.fit_start import FitStart, FitStartCache
-from specdistill.caches.store import SharedPass, build_or_reuse, load_tables, read_key
+from specdistill.caches.store import SharedPass, build_or_reuse, load_checked, read_key
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.drafts.base import DraftKind
 from specdistill.head_data.collate import RolloutCollator
@@ -296,7 +296,11 @@ def check_hidden_cache(
 def load_hidden_cache(
     out_dir: str | Path, expected_mixing_ratio: float | None = None, expected_head_input: str | None = None
 ) -> datasets.Dataset:
-    """The complete cache in prompt order; checks the head input and (candidate heads) the mixing ratio if given."""
+    """The complete cache in prompt order; checks the head input and (candidate heads) the mixing ratio if given.
+
+    Opened by path only (no draft to recompute it), its shards are verified against the digests its key file
+    recorded (`specdistill.caches.store.load_checked`): a shard changed, truncated or missing since it was written,
+    or a cache written without digests, raises a one-line `InputFileError` naming it and the fix."""
     key = read_key(out_dir, KEY_FILE)
     if key is None:
         raise ValueError(
@@ -305,4 +309,6 @@ def load_hidden_cache(
         )
     check_hidden_cache(key, out_dir, expected_mixing_ratio, expected_head_input)
     count, shard_size = int(key["num_prompts"]), int(key["shard_size"])
-    return _concatenated(load_tables(out_dir, [_table(s) for s in range(num_shards(count, shard_size))]))
+    names = [_table(s) for s in range(num_shards(count, shard_size))]
+    fix = "rebuild it with build_hidden_cache, or let AcceptanceHeadModule(hidden_cache=HiddenCache(...)) build it"
+    return _concatenated(load_checked(out_dir, KEY_FILE, key, names, fix))
