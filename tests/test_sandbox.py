@@ -124,30 +124,49 @@ def test_sandbox_fork_bomb_hits_the_process_limit():
     assert result.passed, result.stderr_tail
 
 
+def write_attempts(target: Path, new: Path, escaped: Path) -> str:
+    """A program that exits 0 only if every write outside its folder fails, as the sandbox makes it fail: on the
+    read-only view (EROFS, or EACCES/EPERM) or because the path is not shown at all (ENOENT: e.g. under a Python
+    installed in /tmp, such as a virtual environment, /tmp holds only that installation). An ENOENT counts only when
+    the folder the write needs is not visible either, so a file that is there cannot pass as missing."""
+    return program(f"""
+        import errno, os
+        for path, attempt in [({str(target)!r}, lambda path: open(path, 'wb')), ({str(new)!r}, lambda path: open(path, 'w')),
+                              ({str(target)!r}, os.remove), ({str(escaped)!r}, lambda path: open(path, 'w'))]:
+            try:
+                attempt(path)
+            except OSError as error:
+                if error.errno == errno.ENOENT:
+                    assert not os.path.exists(os.path.dirname(path)), (path, error)
+                else:
+                    assert error.errno in (errno.EROFS, errno.EACCES, errno.EPERM), (path, error)
+            else:
+                raise SystemExit(f'wrote outside its folder: {{path}}')
+        open('inside.txt', 'w').write('ok')  # its own folder stays writable
+        assert open('inside.txt').read() == 'ok'
+    """)
+
+
 @isolated
 def test_sandbox_cannot_write_outside_its_folder(tmp_path):
-    target = tmp_path / "export" / "model.safetensors"
-    target.parent.mkdir()
-    target.write_bytes(b"weights")
-    os.chmod(tmp_path, 0o777)
-    os.chmod(target.parent, 0o777)
-    os.chmod(target, 0o666)  # the permissions allow it: only the read-only view stops it
-    result = run_python(
-        program(f"""
-        import errno, os
-        for attempt in [lambda: open({str(target)!r}, 'wb'), lambda: open({str(tmp_path / "new.txt")!r}, 'w'),
-                        lambda: os.remove({str(target)!r}), lambda: open('/tmp/escaped', 'w')]:
-            try:
-                attempt()
-            except OSError as error:
-                assert error.errno in (errno.EROFS, errno.EACCES, errno.EPERM), error
-            else:
-                raise SystemExit('wrote outside its folder')
-        open('inside.txt', 'w').write('ok')  # its own folder stays writable
-    """)
-    )
-    assert result.passed, result.stderr_tail
-    assert target.read_bytes() == b"weights" and not (tmp_path / "new.txt").exists()
+    runs = {}
+    for mode in ("namespaces", "process"):
+        folder = tmp_path / mode
+        target = folder / "export" / "model.safetensors"
+        target.parent.mkdir(parents=True)
+        target.write_bytes(b"weights")
+        os.chmod(folder, 0o777)
+        os.chmod(target.parent, 0o777)
+        os.chmod(target, 0o666)  # the permissions allow it: only the sandbox's view of the files stops it
+        escaped = Path("/tmp") / f"specdistill-escaped-{uuid.uuid4().hex}"
+        runs[mode] = run_python(write_attempts(target, folder / "new.txt", escaped), sandbox=mode)
+        if mode == "namespaces":
+            assert runs[mode].passed, runs[mode].stderr_tail
+            assert target.read_bytes() == b"weights" and os.listdir(target.parent) == ["model.safetensors"]
+            assert os.listdir(folder) == ["export"] and not escaped.exists()
+    # the same program without the namespace sandbox writes: only the sandbox made the writes fail
+    assert not runs["process"].passed and "wrote outside its folder" in runs["process"].stderr_tail
+    assert (tmp_path / "process" / "export" / "model.safetensors").read_bytes() == b""
 
 
 @isolated
