@@ -12,9 +12,11 @@
 
 from __future__ import annotations
 
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from specdistill.errors import ConfigError
+from specdistill.errors import ConfigError, UserError
 from specdistill.selection.self_reference import check_scoring_starts, first_scoring_step
 
 TRAINING_STEPS = ("distill", "adaspec")  # the steps that train a draft of `cfg.draft`'s kind
@@ -82,11 +84,19 @@ def check_sequential_phases(cfg: DictConfig) -> None:
 
 
 def check_self_reference_steps(cfg: DictConfig, where: str = "") -> None:
-    """A self-reference selector's first scoring step against the adaspec stage's `max_steps`, where capped."""
+    """The selector's settings (built once, as the adaspec stage builds it), then a self-reference selector's first
+    scoring step against the adaspec stage's `max_steps`, where capped."""
     from specdistill.stages.adaspec import compute_matched, is_self_referencing
     from specdistill.stages.build import trainer_config
     from specdistill.stages.settings import build_settings
 
+    settings = build_settings(cfg, "adaspec")
+    try:  # every selector range check, before the pipeline's earlier steps train
+        instantiate(cfg.selector, k=settings.k)
+    except InstantiationException as error:
+        if isinstance(error.__cause__, UserError):
+            raise error.__cause__ from None
+        raise
     if not is_self_referencing(cfg):
         return
     selector = cfg.selector
@@ -94,7 +104,6 @@ def check_self_reference_steps(cfg: DictConfig, where: str = "") -> None:
         str(selector.self_reference), selector.get("every", 1), selector.get("warmup_steps", 1)
     )
     trainer = trainer_config(cfg, "adaspec")
-    settings = build_settings(cfg, "adaspec")
     if settings.compute_matched:
         _, trainer, _ = compute_matched(settings, trainer)
     steps = trainer.get("max_steps")

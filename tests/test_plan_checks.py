@@ -72,3 +72,12 @@ def test_train_py_refuses_a_sequential_eagle3_run_in_one_line_before_anything_is
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith("error: stage=sequential: phase 2") and "Traceback" not in proc.stderr
     assert not list(tmp_path.glob("sequential/*"))  # phase 1 never started
+
+
+def test_a_selector_setting_out_of_range_is_refused_before_the_pipelines_earlier_steps():
+    """The selector is built by the adaspec step only, after sft and distill have trained: its ranges are checked
+    up front (a non-number too, which the warm-up check would otherwise meet first)."""
+    with pytest.raises(ConfigError, match=r"selector\.decay=1\.5"):
+        validated("stage=pipeline", "selector=adaspec_ema", "selector.decay=1.5")
+    with pytest.raises(ConfigError, match=r"selector\.every='abc'"):
+        validated("stage=pipeline", "selector=adaspec_lagged", "selector.every=abc", "trainer.max_steps=12")

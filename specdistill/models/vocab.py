@@ -6,9 +6,12 @@ from collections.abc import Mapping
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from specdistill.errors import ConfigError
 
-class VocabularyMismatchError(ValueError):
-    """Raised when models that must share a vocabulary do not."""
+
+class VocabularyMismatchError(ConfigError):
+    """Raised when models that must share a vocabulary do not: the chosen models (settings) do not fit together, so
+    train.py reports it in one line and exits with EX_USAGE (64). Still a ValueError."""
 
 
 def real_vocab_size(tokenizer: PreTrainedTokenizerBase) -> int:

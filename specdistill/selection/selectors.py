@@ -41,6 +41,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from specdistill.errors import ConfigError
 from specdistill.selection.base import Selection
 from specdistill.selection.topk import (
     check_fraction,
@@ -74,9 +75,14 @@ class NoSelector:
     needs_reference = False
 
     def __post_init__(self) -> None:
-        if float(self.k) != 1.0:
-            raise ValueError(
-                f"selector=none keeps every answer token; set adaspec.k=1 or choose another selector (got k={self.k})"
+        try:
+            keeps_all = float(self.k) == 1.0
+        except (TypeError, ValueError):
+            keeps_all = False
+        if not keeps_all:
+            raise ConfigError(
+                f"selector=none keeps every answer token; set adaspec.k=1 or choose another selector (got "
+                f"adaspec.k={self.k})"
             )
         self.k = 1.0
 
@@ -104,9 +110,15 @@ class TopFractionSelector:
     def __post_init__(self) -> None:
         self.k = check_fraction(self.k)
         if self.scope not in _SCOPES:
-            raise ValueError(f"scope must be one of {sorted(_SCOPES)}, got {self.scope!r}")
+            raise ConfigError(
+                f"selector.scope={self.scope!r} must be one of {list(_SCOPES)}: set e.g. selector.scope=microbatch "
+                "(the authors')"
+            )
         if self.normalise not in _NORMALISERS:
-            raise ValueError(f"normalise must be one of {list(_NORMALISERS)}, got {self.normalise!r}")
+            raise ConfigError(
+                f"selector.normalise={self.normalise!r} must be one of {list(_NORMALISERS)}: set e.g. "
+                "selector.normalise=answer_tokens (the authors')"
+            )
 
     def scores(
         self, draft_divergence: torch.Tensor, reference_divergence: torch.Tensor | None
@@ -195,6 +207,15 @@ class RandomSelector(TopFractionSelector):
 
     seed: int = 0
     _generator: torch.Generator | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # torch seeds a generator with a 64-bit value; the rank is added to it, so stay well inside
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ConfigError(
+                f"selector.seed={self.seed!r} must be an integer in [0, 2**63): set e.g. selector.seed=0, or drop "
+                "the override to derive it from the root seed"
+            )
 
     def scores(
         self, draft_divergence: torch.Tensor, reference_divergence: torch.Tensor | None

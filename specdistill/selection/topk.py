@@ -12,13 +12,21 @@ import math
 import torch
 import torch.distributed as dist
 
+from specdistill.errors import ConfigError
+
 
 def check_fraction(k: float) -> float:
-    """Return `k` as a float if it lies in (0, 1]; raise ValueError otherwise."""
-    k = float(k)
+    """Return `k` as a float if it lies in (0, 1]; raise ConfigError (a ValueError) naming `adaspec.k` otherwise
+    (the stage passes that one key to every selector)."""
+    given = k
+    try:
+        k = float(k)
+    except (TypeError, ValueError):
+        k = math.nan
     if not 0.0 < k <= 1.0 or math.isnan(k):
-        raise ValueError(
-            f"the kept fraction k must lie in (0, 1] (AdaSPEC uses 0.4 or 0.8; 1 keeps every token), got {k}"
+        raise ConfigError(
+            f"adaspec.k={given}: the kept fraction k must lie in (0, 1] (AdaSPEC uses 0.4 or 0.8; 1 keeps every "
+            "token): set e.g. adaspec.k=0.4"
         )
     return k
 
