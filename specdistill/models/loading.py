@@ -147,7 +147,11 @@ def require_safetensors(folder: Path) -> None:
     if (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file():
         return
     pickled = [name for name in PICKLED_WEIGHTS if (folder / name).exists()]
-    found = f"found {', '.join(pickled)}: pickles, which specdistill never loads" if pickled else "found no weights"
+    found = (
+        f"found {', '.join(pickled)}: pickles, which specdistill never loads"
+        if pickled
+        else "found no weights"
+    )
     raise InputFileError(
         f"{folder} has no model.safetensors ({found}): convert the weights to safetensors (save_pretrained with "
         "safe_serialization=True) or re-export the model"
