@@ -131,7 +131,7 @@ def test_adaspec_without_reference_is_refused_before_loading_unless_a_pipeline_s
         validate_config(composed("pipeline.steps=[sft,adaspec]"))
     validate_config(composed())  # the default pipeline: distill fills it
     # a selector that reads no reference needs none; a self-reference scores with the draft's own earlier weights
-    validate_config(composed("stage=adaspec", "selector=none"))
+    validate_config(composed("stage=adaspec", "selector=none", "adaspec.k=1"))  # k < 1 is refused for it
     validate_config(composed("stage=adaspec", "selector=adaspec_lagged"))
 
 
