@@ -229,9 +229,10 @@ class AcceptanceHead(nn.Module):
         With `draft`, refuse a head that was trained on another draft (its recorded fingerprint differs).
         """
         config = cls.read_config(directory)
+        arguments = head_arguments(Path(directory) / CONFIG_NAME, config)
         if draft is not None:
             check_head_draft(directory, config.get("draft"), draft)
-        head = cls(**{key: config[key] for key in ("hidden_size", "num_blocks", "input")})
+        head = cls(**arguments)
         weights = Path(directory) / WEIGHTS_NAME
         try:
             state = load_file(str(weights), device=str(device))
@@ -239,6 +240,33 @@ class AcceptanceHead(nn.Module):
             raise InputFileError(_unreadable(weights, error)) from error
         head.load_state_dict(state, strict=True)
         return head.to(device)
+
+
+def head_arguments(path: Path, config: Any) -> dict[str, Any]:
+    """The constructor arguments `head_config.json` (`path`, parsed as `config`) records, each checked to be a plain
+    value in range: the file is data, and a wrong value is one line naming it, not an error deep inside torch.
+
+    Raises:
+        InputFileError: `config` is not an object, or a value is missing, of another type or out of range.
+    """
+    if not isinstance(config, dict):
+        raise InputFileError(f"{path} holds {type(config).__name__}, not a head config: re-export the head")
+    checks = {
+        "hidden_size": (lambda v: _is_int(v) and v >= 1, "a positive integer (the draft's hidden size)"),
+        "num_blocks": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+        "input": (lambda v: isinstance(v, str) and v in HEAD_INPUTS, f"one of {list(HEAD_INPUTS)}"),
+    }
+    for key, (ok, expected) in checks.items():
+        if key not in config or not ok(config[key]):
+            found = repr(config[key])[:80] if key in config else "nothing"
+            raise InputFileError(
+                f"{path}: {key} holds {found}, expected {expected}: re-export the head with stage=acceptance_head"
+            )
+    return {key: config[key] for key in checks}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _unreadable(path: Path, error: Exception) -> str:
