@@ -90,6 +90,13 @@ def _tables(splits: dict[str, datasets.Dataset]) -> dict[str, dict[str, list]]:
     return {name: table.with_format(None).to_dict() for name, table in splits.items()}
 
 
+def _one_warning(store_log, folder: Path) -> str:
+    """The one warning the store logged, checked to name `folder`."""
+    warnings = [r.getMessage() for r in store_log.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and str(folder) in warnings[0]
+    return warnings[0]
+
+
 def test_a_state_table_changed_on_disk_is_recomputed_with_a_warning_naming_it(tmp_path, store_log):
     data = _datamodule()
     target = tiny_target("llama", vocab=len(data.tokenizer))
@@ -99,9 +106,7 @@ def test_a_state_table_changed_on_disk_is_recomputed_with_a_warning_naming_it(tm
     calls = _count_calls(target)
     store_log.clear()
     again = _states(target, data, tmp_path / "states")
-    warnings = [r.getMessage() for r in store_log.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and str(tmp_path / "states" / "train") in warnings[0]
-    assert "changed on disk" in warnings[0]
+    assert "changed on disk" in _one_warning(store_log, tmp_path / "states" / "train")
     assert calls[0] == 2 + 1  # recomputed: 2 train batches of 3 and 1 validation batch
     assert _tables(again._splits) == _tables(fresh._splits)
     calls[0] = 0
@@ -117,9 +122,7 @@ def test_a_truncated_table_is_recomputed_instead_of_a_raw_pyarrow_error(tmp_path
     calls = _count_calls(target)
     store_log.clear()
     again = _top_m(target, data, tmp_path / "cache")
-    warnings = [r.getMessage() for r in store_log.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and str(tmp_path / "cache" / "validation") in warnings[0]
-    assert "truncated" in warnings[0] and calls[0] == 2 + 1
+    assert "truncated" in _one_warning(store_log, tmp_path / "cache" / "validation") and calls[0] == 2 + 1
     fresh = build_target_cache(tmp_path / "fresh", target, data.tokenizer, data, len(data.tokenizer), m=8)
     assert _tables(again._splits) == _tables(fresh._splits)
 
