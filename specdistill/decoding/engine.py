@@ -1,9 +1,11 @@
 """Lossless speculative decoding (batch size 1) and the autoregressive baseline it is measured against.
 
 One round: the proposer (`specdistill/decoding/proposers/`; a plain draft LM by default) proposes candidates
-d_1..d_k, the target scores `[pending tokens, d_1..d_k]` in one forward pass, candidates are tested left to right
-and the round emits the accepted prefix plus one target token (the residual sample at the first rejection, or the
-bonus token when all are accepted). Sampling mode accepts d_i with probability min(1, p(d_i) / q(d_i)) and
+d_1..d_k in blocks (one token per block for an autoregressive draft, a whole block from one pass for a block
+drafter, a copied span for prompt lookup), each with the distribution q_i it was drawn from; the target scores
+`[pending tokens, d_1..d_k]` in one forward pass, candidates are tested left to right and the round emits the
+accepted prefix plus one target token (the residual sample at the first rejection, or the bonus token when all are
+accepted). Sampling mode accepts d_i with probability min(1, p(d_i) / q(d_i)) and
 resamples from norm(max(0, p - q)); greedy mode accepts iff d_i is the target's argmax. Both are exact: the output
 has the target's (warped) distribution, token for token equal to the target's own greedy output in greedy mode.
 
@@ -43,7 +45,16 @@ from transformers.cache_utils import Cache
 
 from specdistill.decoding.forward import forward_keep_last, model_device
 from specdistill.decoding.policies import DraftPolicy, DraftStep
-from specdistill.decoding.proposers import DraftLMProposer, DraftProposal, Proposer, TargetHidden
+from specdistill.decoding.proposers import (
+    BlockProposer,
+    BlockRequest,
+    ChainProposer,
+    DraftBlock,
+    Drafter,
+    DraftLMProposer,
+    Proposer,
+    TargetHidden,
+)
 from specdistill.decoding.proposers.base import check_vocab_size
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.decoding.stats import DecodingStats
@@ -172,7 +183,7 @@ class _Sequence:
         self.finished = False
         self.stats = DecodingStats(sequences=1)
 
-    def result(self, keep_state: bool, proposer: Proposer | None = None) -> GenerationResult:
+    def result(self, keep_state: bool, proposer: Drafter | None = None) -> GenerationResult:
         tokens = self.buf[0, self.prompt_length : self.n].tolist()
         self.stats.generated_tokens = len(tokens)
         state = None
@@ -238,9 +249,10 @@ def autoregressive(
     return seq.result(keep_state=False)
 
 
-def _as_proposer(draft: Proposer | torch.nn.Module, vocab_size: int) -> Proposer:
-    """`draft` itself if it is a `Proposer`, a `DraftLMProposer` around it if it is a causal LM."""
-    if isinstance(draft, Proposer):
+def _as_proposer(draft: Drafter | torch.nn.Module, vocab_size: int) -> Drafter:
+    """`draft` itself if it is a proposer (`Proposer` or `BlockProposer`), a `DraftLMProposer` around it if it is a
+    causal LM."""
+    if isinstance(draft, Proposer | BlockProposer):
         if draft.vocab_size != vocab_size:
             raise ValueError(
                 f"{type(draft).__name__}.vocab_size is {draft.vocab_size!r} but the engine's vocab_size is "
@@ -250,12 +262,13 @@ def _as_proposer(draft: Proposer | torch.nn.Module, vocab_size: int) -> Proposer
     if isinstance(draft, torch.nn.Module):
         return DraftLMProposer(draft, vocab_size)
     raise ValueError(
-        f"draft must be a causal LM (torch.nn.Module) or a Proposer (specdistill.decoding.proposers), "
+        f"draft must be a causal LM (torch.nn.Module), a BlockProposer or a Proposer "
+        "(specdistill.decoding.proposers), "
         f"got {type(draft).__name__}"
     )
 
 
-def _check_target_hidden_layers(proposer: Proposer, target: torch.nn.Module) -> tuple[int, ...] | None:
+def _check_target_hidden_layers(proposer: Drafter, target: torch.nn.Module) -> tuple[int, ...] | None:
     """The proposer's `target_hidden_layers`, checked against the target's `output_hidden_states` tuple."""
     layers = proposer.target_hidden_layers
     if layers is None:
@@ -273,13 +286,39 @@ def _check_target_hidden_layers(proposer: Proposer, target: torch.nn.Module) -> 
     return layers
 
 
+def _check_block(block: DraftBlock, request: BlockRequest, vocab_size: int, name: str) -> int:
+    """The block's size, after checking it keeps the contract (`DraftBlock`): a wrong shape is the proposer's bug."""
+    size = len(block) if isinstance(block, DraftBlock) and block.tokens.dim() == 1 else -1
+    if not 0 <= size <= request.max_length:
+        raise ValueError(
+            f"{name}.propose_block must return a DraftBlock of at most {request.max_length} tokens (a 1-D tensor), "
+            f"got {block!r}"
+        )
+    if block.q is not None and tuple(block.q.shape) != (size, vocab_size):
+        raise ValueError(
+            f"{name}.propose_block returned q of shape {tuple(block.q.shape)}, expected {(size, vocab_size)}"
+        )
+    if request.with_hidden and size and (block.hidden is None or block.hidden.shape[0] != size):
+        raise ValueError(
+            f"{name}.propose_block was asked for hidden states and must return one row per token"
+        )
+    return size
+
+
+def _point_mass(token: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """The distribution of a token chosen deterministically (`DraftBlock.q is None`): 1 on it, 0 elsewhere."""
+    probs = torch.zeros(vocab_size, device=device)
+    probs[token] = 1.0
+    return probs
+
+
 class SpeculativeDecoder:
     """Speculative decoding of one sequence at a time with a draft-length policy.
 
     Args:
         target: the large causal LM whose distribution is reproduced exactly.
-        draft: what proposes the candidates (same tokenizer): a `Proposer`, or a small causal LM, which the engine
-            drafts with through a `DraftLMProposer`.
+        draft: what proposes the candidates (same tokenizer): a `BlockProposer`, a `Proposer` (drafted through a
+            `ChainProposer`), or a small causal LM, which the engine drafts with through a `DraftLMProposer`.
         policy: decides within each round when the draft stops proposing (see `DraftPolicy`).
         sampling: warping applied identically to draft and target; greedy or temperature 0 for argmax decoding.
         eos_token_id: id (or ids) that end generation; None for none.
@@ -290,7 +329,8 @@ class SpeculativeDecoder:
             (`specdistill.models.cache.new_cache`).
 
     Attributes:
-        proposer: the `Proposer` that drafts (`draft` itself, or the `DraftLMProposer` around it).
+        proposer: the proposer that drafts (`draft` itself, or the `DraftLMProposer` around it).
+        blocks: the `BlockProposer` the engine drafts through: `proposer` itself, or the `ChainProposer` around it.
         device: the proposer's device, where the sequence, the generator and (unless placed with a device_map) the
             target live.
     """
@@ -298,7 +338,7 @@ class SpeculativeDecoder:
     def __init__(
         self,
         target: torch.nn.Module,
-        draft: Proposer | torch.nn.Module,
+        draft: Drafter | torch.nn.Module,
         policy: DraftPolicy,
         sampling: SamplingConfig,
         eos_token_id: int | Sequence[int] | None,
@@ -310,6 +350,9 @@ class SpeculativeDecoder:
         check_vocab_size(vocab_size)
         check_model_covers_vocab("target", target, vocab_size)
         self.proposer = _as_proposer(draft, vocab_size)
+        self.blocks = (
+            self.proposer if isinstance(self.proposer, BlockProposer) else ChainProposer(self.proposer)
+        )
         self._target_hidden_layers = _check_target_hidden_layers(self.proposer, target)
         # A target placed across devices (device_map) takes its inputs anywhere and returns its logits there.
         self.device = self.proposer.device
@@ -361,13 +404,13 @@ class SpeculativeDecoder:
         max_k = self.max_draft_length
         capacity = prompt.numel() + max_new_tokens + max_k + 2
         seq = _Sequence(prompt, capacity, new_cache(self.target, self.cache_implementation, capacity))
-        self.proposer.start(seq.buf[:, : seq.prompt_length], capacity, self.cache_implementation)
+        self.blocks.start(seq.buf[:, : seq.prompt_length], capacity, self.cache_implementation)
         self.policy.reset(max_k)
         start = time.perf_counter()
         excluded = 0.0
         # A proposer that drafts from the target's hidden states has none before the target has read the prompt:
         # its first round only prefills (no candidates: the target's next token), as vLLM's EAGLE does.
-        prefill = self.proposer.drafts_after_prefill
+        prefill = self.blocks.drafts_after_prefill
         while seq.n - seq.prompt_length < max_new_tokens and not seq.finished:
             remaining = max_new_tokens - (seq.n - seq.prompt_length)
             # Never draft more than can be emitted: a round emits at most k + 1 tokens.
@@ -376,14 +419,14 @@ class SpeculativeDecoder:
         _sync(self.device)
         seq.stats.wall_time_s = time.perf_counter() - start - excluded
         seq.stats.oracle_probe_time_s = excluded
-        seq.stats.draft_forwards = self.proposer.forwards
+        seq.stats.draft_forwards = self.blocks.forwards
         return seq.result(keep_state, self.proposer)
 
     # ------------------------------------------------------------------ one round
 
     def _round(self, seq: _Sequence, k_cap: int, generator: torch.Generator | None) -> float:
         """Draft, verify, emit, crop. Returns the seconds spent probing for an oracle (excluded from timings)."""
-        policy, proposer = self.policy, self.proposer
+        policy, proposer = self.policy, self.blocks
         policy.begin_round()
         greedy = self.sampling.is_greedy
         n = seq.n
@@ -459,53 +502,65 @@ class SpeculativeDecoder:
     def _draft(
         self, seq: _Sequence, k_cap: int, uniforms: torch.Tensor | None, generator: torch.Generator | None
     ):
-        """Draft up to `k_cap` candidates into `seq.buf[n:]`, asking the policy after each (see the module docstring).
+        """Draft up to `k_cap` candidates into `seq.buf[n:]` block by block, asking the policy after each candidate
+        (see the module docstring).
 
         Returns:
-            (number of candidates, whether the last one is withdrawn, warped draft rows `(V,)` per candidate in
+            (number of candidates, whether the last one is withdrawn, draft distributions `(V,)` per candidate in
             sampling mode, seconds spent probing, probe length or None).
         """
         if k_cap <= 0:
             return 0, False, [], 0.0, None
-        policy, proposer, greedy, n = self.policy, self.proposer, self.sampling.is_greedy, seq.n
-        need_hidden, feed_newest, oracle = policy.needs_hidden_states, policy.feed_newest, policy.needs_oracle
+        policy, greedy, n = self.policy, self.sampling.is_greedy, seq.n
+        oracle = policy.needs_oracle
         q_rows: list[torch.Tensor] = []
         probe_s = 0.0
         probe_length = seq.target_length if oracle else None
 
-        proposal: DraftProposal = proposer.propose(seq.buf[:, :n], need_hidden)
+        def draw(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self._draw(logits, generator)
+
         index = 0
-        withdrawn = False
         while True:
-            index += 1
-            pos = n + index - 1
-            logits = proposal.logits
-            probs = self.sampling.policy_probs(logits)
-            if greedy:
-                token_t = logits.argmax()
-            else:
-                token_t = torch.multinomial(probs, 1, generator=generator)[0]
-                q_rows.append(probs)
-            seq.buf[0, pos] = token_t
-            token = int(token_t)
-            step_hidden = proposal.hidden
-            if feed_newest:
-                proposal = proposer.propose(seq.buf[:, : pos + 1], need_hidden)
-                step_hidden = proposal.hidden
-            will_accept = None
-            if oracle:
-                p0 = time.perf_counter()
-                will_accept, probe_length = self._probe(seq, index, token, probs, uniforms, probe_length)
-                probe_s += time.perf_counter() - p0
-            # asked after every candidate (a policy may need to see all of them); a stop before the minimum is ignored
-            policy_stop = policy.should_stop(DraftStep(index, token, probs, step_hidden, will_accept))
-            policy_stop = policy_stop and index >= policy.min_draft_length
-            if policy_stop:
-                withdrawn = policy.withdraw_rejected and will_accept is False
-            if policy_stop or index >= k_cap or token in self.eos:
-                return index, withdrawn, q_rows, probe_s, probe_length
-            if not feed_newest:
-                proposal = proposer.propose(seq.buf[:, : pos + 1], need_hidden)
+            request = BlockRequest(k_cap - index, policy.needs_hidden_states, policy.feed_newest, draw)
+            block = self.blocks.propose_block(seq.buf[:, : n + index], request)
+            size = _check_block(block, request, self.vocab_size, type(self.proposer).__name__)
+            if size == 0:  # nothing (more) to propose: verify what the round holds
+                return index, False, q_rows, probe_s, probe_length
+            for i in range(size):
+                index += 1
+                token_t = block.tokens[i]
+                seq.buf[0, n + index - 1] = token_t
+                token = int(token_t)
+                probs = (
+                    block.q[i] if block.q is not None else _point_mass(token, self.vocab_size, self.device)
+                )
+                if not greedy:
+                    q_rows.append(probs)
+                will_accept = None
+                if oracle:
+                    p0 = time.perf_counter()
+                    will_accept, probe_length = self._probe(seq, index, token, probs, uniforms, probe_length)
+                    probe_s += time.perf_counter() - p0
+                hidden = None if block.hidden is None else block.hidden[i]
+                # asked after every candidate (a policy may need all of them); a stop before the minimum is ignored
+                policy_stop = policy.should_stop(DraftStep(index, token, probs, hidden, will_accept))
+                policy_stop = policy_stop and index >= policy.min_draft_length
+                withdrawn = policy_stop and policy.withdraw_rejected and will_accept is False
+                if policy_stop or index >= k_cap or token in self.eos:
+                    return index, withdrawn, q_rows, probe_s, probe_length
+
+    def _draw(
+        self, logits: torch.Tensor, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`BlockRequest.draw`: tokens and the distributions they were drawn from, for logits `(..., V)`."""
+        probs = self.sampling.policy_probs(logits)
+        if self.sampling.is_greedy:
+            return logits.argmax(-1), probs
+        if probs.dim() == 1:
+            return torch.multinomial(probs, 1, generator=generator)[0], probs
+        flat = probs.reshape(-1, probs.shape[-1])
+        return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1]), probs
 
     # ------------------------------------------------------------------ verification
 

@@ -1,7 +1,27 @@
 """Proposers: what drafts the speculative-decoding engine's candidates (`base.py` states the contract)."""
 
-from specdistill.decoding.proposers.base import DraftProposal, Proposer, TargetHidden
+from specdistill.decoding.proposers.base import (
+    BlockProposer,
+    BlockRequest,
+    DraftBlock,
+    Drafter,
+    DraftProposal,
+    Proposer,
+    TargetHidden,
+)
+from specdistill.decoding.proposers.chain import ChainProposer
 from specdistill.decoding.proposers.draft_lm import DraftLMProposer
 from specdistill.decoding.proposers.eagle3 import Eagle3Proposer
 
-__all__ = ["DraftLMProposer", "Eagle3Proposer", "DraftProposal", "Proposer", "TargetHidden"]
+__all__ = [
+    "BlockProposer",
+    "BlockRequest",
+    "ChainProposer",
+    "DraftBlock",
+    "DraftLMProposer",
+    "Drafter",
+    "DraftProposal",
+    "Eagle3Proposer",
+    "Proposer",
+    "TargetHidden",
+]
