@@ -45,6 +45,30 @@ print("RESULT " + json.dumps({"responses": [list(o.outputs[0].token_ids) for o i
 """
 
 
+def vllm_llama(vocab: int, num_layers: int) -> LlamaForCausalLM:
+    """A random Llama target vLLM's CPU build runs (head dim 32: its CPU attention has no smaller one, see
+    tests/test_vllm_backend.py), peaked (initializer_range 0.3) so greedy outputs are not all ties."""
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=num_layers, num_attention_heads=2,
+                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+                         initializer_range=0.3, tie_word_embeddings=False)  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+def serve_with_vllm(target_dir, speculative: dict, prompts: list[list[int]], max_tokens: int, cwd) -> dict:
+    """vLLM's greedy responses to `prompts` (token ids) from the target saved at `target_dir`, drafting with the
+    `speculative_config` `speculative`, and its speculative-decoding counters: `{"responses", "counters"}`."""
+    longest = max(len(p) for p in prompts)
+    engine = {**ENGINE, "model": str(target_dir), "speculative_config": speculative,
+              "skip_tokenizer_init": True, "load_format": "safetensors", "trust_remote_code": False,
+              "max_model_len": longest + max_tokens + 8, "disable_log_stats": False}  # fmt: skip
+    request = json.dumps({"engine": engine, "prompts": prompts, "max_tokens": max_tokens})
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run([VLLM_PYTHON, "-c", WORKER, request], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=cwd)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+
+
 def trained_head(target: torch.nn.Module, sequences: torch.Tensor, vocab: int, steps: int = 300):
     """An `Eagle3` kind and a head trained (TTT, forward KL) on the target's own greedy `sequences`."""
     torch.manual_seed(0)
@@ -76,11 +100,7 @@ def test_vllm_decodes_with_our_eagle3_export_as_our_engine_does(tmp_path):
     tokenizer = arith_tokenizer(vocab_size=300, train_size=200)
     vocab = len(tokenizer)
     torch.manual_seed(0)
-    # head dim 32: vLLM's CPU attention has no smaller one (tests/test_vllm_backend.py)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=8, num_attention_heads=2,
-                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
-                         initializer_range=0.3, tie_word_embeddings=False)  # fmt: skip
-    target = LlamaForCausalLM(config).eval()
+    target = vllm_llama(vocab, num_layers=8)
     target.save_pretrained(tmp_path / "target")
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, vocab, (PROMPT_LENGTH,), generator=gen).tolist() for _ in range(32)]
@@ -103,15 +123,7 @@ def test_vllm_decodes_with_our_eagle3_export_as_our_engine_does(tmp_path):
     ]
 
     speculative = {"method": "eagle3", "model": str(export), "num_speculative_tokens": SPECULATIVE}
-    engine = {**ENGINE, "model": str(tmp_path / "target"), "speculative_config": speculative,
-              "skip_tokenizer_init": True, "load_format": "safetensors", "trust_remote_code": False,
-              "max_model_len": PROMPT_LENGTH + NEW_TOKENS + 8, "disable_log_stats": False}  # fmt: skip
-    request = json.dumps({"engine": engine, "prompts": evaluated, "max_tokens": NEW_TOKENS})
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run([VLLM_PYTHON, "-c", WORKER, request], capture_output=True, text=True, env=env,
-                          timeout=600, cwd=tmp_path)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    answer = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    answer = serve_with_vllm(tmp_path / "target", speculative, evaluated, NEW_TOKENS, tmp_path)
     assert answer["responses"] == references[:6]  # lossless in vLLM too
     counters = answer["counters"]
     vllm_rate = (

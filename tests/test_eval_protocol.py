@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from specdistill.decoding.policies import HeuristicSchedule, Oracle
+from specdistill.decoding.proposers.prompt_lookup import PromptLookupProposer
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.decoding.stats import DecodingStats
 from specdistill.decoding.toy import toy_pair
@@ -123,6 +124,35 @@ def test_selection_uses_the_selection_prompts_and_the_engine_bound(models_, monk
     assert calls[1]["candidates"] == ["acceptance_head_h0.3", "acceptance_head_h0.5"]
     assert result.choices["noisy"]["best_head"] == "noisy_acceptance_head_h0.5"
     assert result.report.entry("noisy/fixed_k3").policy == "fixed_k3"
+
+
+def test_a_training_free_baseline_gets_its_own_k_and_one_row_after_the_drafts(models_, monkeypatch):
+    target, drafts = models_
+    lookup = PromptLookupProposer(V, torch.device("cpu"))
+    chosen: list[tuple[object, list]] = []
+    real_best_fixed_length = protocol.best_fixed_length
+
+    def recording(target, draft, ks, **kwargs):
+        chosen.append((draft, kwargs["prompts"]))
+        return real_best_fixed_length(target, draft, ks, **kwargs)
+
+    monkeypatch.setattr(protocol, "best_fixed_length", recording)
+    selection_prompts = _prompts(2, offset=1)
+    result = _run(
+        target, {"noisy": drafts["noisy"]}, {}, {"oracle": Oracle()}, baselines={"prompt_lookup": lookup},
+        selection_prompts=selection_prompts,
+    )  # fmt: skip
+    k = result.choices["prompt_lookup"]["best_k"]
+    assert chosen[-1] == (lookup, selection_prompts)  # chosen on the selection prompts, like a draft's K
+    names = [e.name for e in result.report.entries]
+    assert (
+        names[-1] == f"prompt_lookup/fixed_k{k}" and sum(n.startswith("prompt_lookup/") for n in names) == 1
+    )
+    row = result.report.entry(f"prompt_lookup/fixed_k{k}")
+    assert [o["tokens"] for o in row.outputs] == [o["tokens"] for o in result.report.baseline.outputs]
+    assert row.stats.draft_forwards == 0
+    with pytest.raises(ValueError, match="have the names of drafts"):
+        _run(target, drafts, {}, {}, baselines={"noisy": lookup})
 
 
 def test_protocol_refuses_bad_inputs(models_):

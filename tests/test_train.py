@@ -87,6 +87,15 @@ def test_evaluate_reports_every_policy_and_the_acceptance_head_ratios(chain):
     names = [e["name"] for e in json.loads((chain["evaluate"] / "report.json").read_text())["entries"]]
     assert any("acceptance_head_h0.5" in n for n in names) and any(n.endswith("fixed_k2") for n in names)
     assert (chain["evaluate"] / "report.txt").is_file()
+    # prompt lookup, the training-free baseline, is the last row at its K, and its vLLM settings are written
+    assert names[-1] == "prompt_lookup/fixed_k2"
+    vllm = json.loads((chain["evaluate"] / "prompt_lookup_speculative_config.json").read_text())
+    assert vllm == {
+        "method": "ngram",
+        "num_speculative_tokens": 2,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3,
+    }
 
 
 # -- the console ----------------------------------------------------------------------------------------------------

@@ -116,9 +116,13 @@ def test_out_of_range_settings_are_refused_naming_the_key():
         r"evaluate\.max_draft_length=20\]",
         "evaluate.acceptance_head.score_newest=maybe": r"evaluate\.acceptance_head\.score_newest='maybe'",
         "rollout.backend=vlm": r"rollout\.backend='vlm' is not one of hf, vllm",
+        "evaluate.prompt_lookup.min_ngram=0": r"evaluate\.prompt_lookup\.min_ngram=0 must be an integer >= 1",
+        "evaluate.prompt_lookup.min_ngram=4": r"evaluate\.prompt_lookup\.min_ngram=4 is above "
+        r"evaluate\.prompt_lookup\.max_ngram=3: give min_ngram <= max_ngram",
+        "+evaluate.drafts.prompt_lookup=/x": r"evaluate\.drafts names a draft prompt_lookup.*prompt_lookup=null",
     }
     for override, message in cases.items():
-        stage = override.split(".")[0]
+        stage = override.lstrip("+").split(".")[0]
         extra = ["+evaluate.drafts.d=/nonexistent"] if stage == "evaluate" else []
         with pytest.raises(ConfigError, match=message):
             validate_config(composed(f"stage={stage}", override, *extra))

@@ -525,7 +525,7 @@ class SpeculativeDecoder:
             request = BlockRequest(k_cap - index, policy.needs_hidden_states, policy.feed_newest, draw)
             block = self.blocks.propose_block(seq.buf[:, : n + index], request)
             size = _check_block(block, request, self.vocab_size, type(self.proposer).__name__)
-            if size == 0:  # nothing (more) to propose: verify what the round holds
+            if size == 0:  # nothing to propose: verify what the round holds
                 return index, False, q_rows, probe_s, probe_length
             for i in range(size):
                 index += 1
@@ -549,6 +549,8 @@ class SpeculativeDecoder:
                 withdrawn = policy_stop and policy.withdraw_rejected and will_accept is False
                 if policy_stop or index >= k_cap or token in self.eos:
                     return index, withdrawn, q_rows, probe_s, probe_length
+            if not self.blocks.chained:  # one block per round
+                return index, False, q_rows, probe_s, probe_length
 
     def _draw(
         self, logits: torch.Tensor, generator: torch.Generator | None

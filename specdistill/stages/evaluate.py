@@ -2,7 +2,8 @@
 
 Loads the models, the prompts and the heads, then `specdistill.evaluation.protocol.evaluate_drafts` chooses the best
 fixed K (and the head's h) per draft on the selection split (validation, never test) and decodes the test prompts
-with everything. Writes `report.json`, `outputs.jsonl`, the plots and `report.txt` (the console table).
+with everything, prompt lookup beside the drafts (`evaluate.prompt_lookup`). Writes `report.json`, `outputs.jsonl`,
+the plots, `report.txt` (the console table) and prompt lookup's vLLM settings (`specdistill/export/ngram.py`).
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from pathlib import Path
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from specdistill.decoding.proposers.prompt_lookup import PromptLookupProposer
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.evaluation.protocol import EvalProtocol, evaluate_drafts
 from specdistill.evaluation.report import summary_metrics
+from specdistill.export.ngram import write_ngram_config
 from specdistill.models.acceptance_head import AcceptanceHead
 from specdistill.stages.build import (
     build_datamodule,
@@ -27,6 +30,8 @@ from specdistill.stages.build import (
 )
 from specdistill.stages.settings import EvaluateSettings, build_settings
 from specdistill.utils.wandb_logger import log_report, log_summary
+
+LOOKUP_NAME = "prompt_lookup"
 
 
 def run(cfg: DictConfig, out_dir: Path) -> dict:
@@ -52,6 +57,10 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         else build_datamodule(cfg, tokenizer, max_length=settings.max_length, task=settings.test_task)
     )
     task = tested.task
+    lookup = settings.prompt_lookup
+    baselines = {}
+    if lookup is not None:
+        baselines[LOOKUP_NAME] = PromptLookupProposer(vocab_size, device, lookup.min_ngram, lookup.max_ngram)
     result = evaluate_drafts(
         target,
         models,
@@ -66,10 +75,14 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         vocab_size=vocab_size,
         score_fn=task.score if task.scoring_available else None,
         task_metric_name=task.metric_name,
+        baselines=baselines,
     )
     result.report.settings["task"] = task.name  # the plots' titles name it
     result.report.settings["selection_task"] = cfg.task.name
     result.report.save(out_dir)
+    if lookup is not None:
+        best_k = result.choices[LOOKUP_NAME]["best_k"]
+        write_ngram_config(out_dir, lookup.min_ngram, lookup.max_ngram, best_k)
     rows = [
         {"name": e["name"], **e["metrics"], "task_metric": e["task_metric"]}
         for e in result.report.to_dict()["entries"]

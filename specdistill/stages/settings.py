@@ -505,6 +505,26 @@ class HeadPolicyGrid:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PromptLookupSettings:
+    """`evaluate.prompt_lookup`: the training-free baseline, n-gram lookup in the context (vLLM's `ngram` method)."""
+
+    min_ngram: int
+    """Shortest suffix looked up (vLLM's prompt_lookup_min)."""
+    max_ngram: int
+    """Longest suffix looked up (vLLM's prompt_lookup_max); the longest that occurred before wins."""
+
+    def __post_init__(self) -> None:
+        where = "evaluate.prompt_lookup"
+        check_count(where, "min_ngram", self.min_ngram)
+        check_count(where, "max_ngram", self.max_ngram)
+        if self.min_ngram > self.max_ngram:
+            raise ConfigError(
+                f"{where}.min_ngram={self.min_ngram} is above {where}.max_ngram={self.max_ngram}: give "
+                f"min_ngram <= max_ngram."
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
 class EvaluateSettings(StageSettings):
     """Drafts x draft-length policies against the autoregressive target (docs/METHODS.md sections 0 and 4)."""
 
@@ -523,6 +543,8 @@ class EvaluateSettings(StageSettings):
     """The head policies' grid (a block: thresholds, min_draft_length, score_newest)."""
     max_draft_length: int
     """The engine's bound for every policy."""
+    prompt_lookup: PromptLookupSettings | None
+    """The training-free baseline beside the drafts (its K chosen on selection_split like theirs); null: off."""
     test_task: dict[str, Any] | None
     """The task whose `split` is reported (a conf/task/ node, e.g. `/task@evaluate.test_task: humaneval_package`);
     null: the run's `task`. K and h are always chosen on the run's task (`selection_split`)."""
@@ -552,6 +574,14 @@ class EvaluateSettings(StageSettings):
             "acceptance_head",
             build_block(HeadPolicyGrid, f"{where}.acceptance_head", self.acceptance_head),
         )
+        if self.prompt_lookup is not None:
+            lookup = build_block(PromptLookupSettings, f"{where}.prompt_lookup", self.prompt_lookup)
+            object.__setattr__(self, "prompt_lookup", lookup)
+            if "prompt_lookup" in (self.drafts or {}):
+                raise ConfigError(
+                    f"{where}.drafts names a draft prompt_lookup, the name of the prompt-lookup baseline: rename "
+                    f"the draft, or turn the baseline off with {where}.prompt_lookup=null."
+                )
         check_count(where, "max_draft_length", self.max_draft_length)
         if not self.fixed_lengths:
             raise ConfigError(

@@ -14,9 +14,10 @@ point mass); an autoregressive `Proposer` gives the logits of one next token per
 through `ChainProposer` (`specdistill/decoding/proposers/chain.py`), whose blocks hold one token each, so a chain is
 a sequence of one-token blocks, drawn one after another. The engine asks the draft-length policy after every
 candidate of every block, in order, and ends the round at the first stop (the rest of the block is dropped), so
-every policy, the acceptance head and the oracle work the same for every kind. A round asks for blocks until the
-policy stops, the round's cap is reached, a candidate is EOS, or a block comes back empty (a proposer with nothing
-to propose: the target then emits one token, as without speculation).
+every policy, the acceptance head and the oracle work the same for every kind. A round asks a block proposer for
+one block (a chain, `chained`, for blocks until the policy stops, the round's cap is reached or a candidate is EOS);
+a block may come back empty (a proposer with nothing to propose: the target then emits one token, as without
+speculation).
 
 Exactness for any block: the engine accepts candidate i with probability min(1, p_i(d_i) / q_i(d_i)) and resamples
 a rejection from norm(max(0, p_i - q_i)), where p_i is the target's distribution given the sequence up to d_i and
@@ -29,8 +30,8 @@ Call order, for each generated sequence:
 1. `start(prompt, capacity, cache_implementation)` once, before anything else of that sequence. It resets the
    proposer's state (`length` becomes 0, `forwards` 0); it need not process the prompt, which the first proposal
    hands over anyway.
-2. Every round: `propose_block(tokens, request)` with `tokens` the sequence so far, then again, with `tokens`
-   extended by the candidates the engine kept, while the round goes on. (For a `Proposer`: `propose(tokens,
+2. Every round: `propose_block(tokens, request)` with `tokens` the sequence so far (for a chain, again with
+   `tokens` extended by the candidates drafted so far, while the round goes on). (For a `Proposer`: `propose(tokens,
    with_hidden)` once at the start of drafting, then once more per candidate the engine wants fed back.) A round
    that may draft nothing (the token budget is spent) asks for nothing.
 3. After every verification, only when `target_hidden_layers` is not None: `observe_target(TargetHidden)`, with the
@@ -235,7 +236,14 @@ class Proposer(Drafter):
 
 
 class BlockProposer(Drafter):
-    """Drafts a block of candidates per call: the contract the engine drafts through (see the module docstring)."""
+    """Drafts a block of candidates per call: the contract the engine drafts through (see the module docstring).
+
+    Attributes:
+        chained: False (default): one block per round. True: the engine asks again after every block the policy
+            did not stop, each time with the sequence extended by it (`ChainProposer`'s one-token blocks).
+    """
+
+    chained: bool = False
 
     @abc.abstractmethod
     def propose_block(self, tokens: torch.Tensor, request: BlockRequest) -> DraftBlock:

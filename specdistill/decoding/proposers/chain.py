@@ -27,6 +27,8 @@ class ChainProposer(BlockProposer):
         proposer: the autoregressive proposer (`DraftLMProposer`, `Eagle3Proposer`, ...).
     """
 
+    chained = True
+
     def __init__(self, proposer: Proposer) -> None:
         self.proposer = proposer
         self._pending: DraftProposal | None = None

@@ -14,7 +14,9 @@ import torch
 from specdistill.decoding.proposers.base import BlockProposer, BlockRequest, DraftBlock, check_vocab_size
 
 
-def lookup_continuation(context: torch.Tensor, min_ngram: int, max_ngram: int, max_tokens: int) -> torch.Tensor:
+def lookup_continuation(
+    context: torch.Tensor, min_ngram: int, max_ngram: int, max_tokens: int
+) -> torch.Tensor:
     """The tokens after the earliest earlier occurrence of the longest matching suffix n-gram (maybe none).
 
     Args:
@@ -48,8 +50,7 @@ class PromptLookupProposer(BlockProposer):
 
     The engine caps each block at the round's remaining draft length (its `max_draft_length`, the policy's stop);
     a round whose context offers no match drafts nothing, and the target emits one token as without speculation.
-    When a block ends before the round's cap the engine asks again, so a match is followed past the end of the
-    context it was copied from.
+    One lookup per round, as vLLM does.
 
     Args:
         vocab_size: the tokenizer's real vocabulary.
