@@ -13,7 +13,13 @@ import torch
 from specdistill.decoding.engine import SpeculativeDecoder, autoregressive
 from specdistill.decoding.head_policy import AcceptanceHeadPolicy
 from specdistill.decoding.policies import ConfidenceThreshold, FixedLength, HeuristicSchedule, Oracle
-from specdistill.decoding.proposers import BlockProposer, BlockRequest, DraftBlock
+from specdistill.decoding.proposers import (
+    BlockProposer,
+    BlockRequest,
+    DraftBlock,
+    DraftLMProposer,
+    HybridProposer,
+)
 from specdistill.decoding.proposers.prompt_lookup import PromptLookupProposer, lookup_continuation
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.decoding.toy import toy_pair
@@ -21,6 +27,7 @@ from specdistill.models.acceptance_head import AcceptanceHead
 from tests.lossless import exact_two_token_distribution, matches_two_token_distribution
 from tests.test_architectures import PROMPT, tiny_pair
 from tests.test_engine import GREEDY, V, _all_policies, _prompts
+from tests.test_proposers import _TargetLinear
 from tests.test_vllm_backend import VLLM_PYTHON, needs_vllm
 from tests.threads import one_thread_per_module  # noqa: F401  (autouse fixture)
 
@@ -274,6 +281,50 @@ def test_a_round_with_nothing_to_propose_emits_one_target_token(pair):
     assert stats.rounds == stats.target_forwards
     # each round emits its accepted candidates and one more token
     assert stats.generated_tokens == stats.accepted_tokens + stats.rounds
+
+
+# ---------------------------------------------------------------------------------------------- the hybrid
+
+
+@pytest.mark.parametrize("inner", ["draft_lm", "target_states"])
+def test_the_hybrid_is_lossless_and_drafts_from_both(pair, inner):
+    target, draft = pair
+    prompts = [[4, 7, 1, 4, 7, 1, 4, 7], [9, 3, 9, 3, 2, 9, 3], list(range(10)), [5, 11, 30, 2]]
+    references = [autoregressive(target, p, 30, GREEDY, None, V).tokens for p in prompts]
+    for name, (policy, max_draft_length) in _lookup_policies(draft).items():
+        trained = DraftLMProposer(draft, V) if inner == "draft_lm" else _TargetLinear(target, V)
+        hybrid = HybridProposer(PromptLookupProposer(V, CPU, min_ngram=2), trained)
+        decoder = SpeculativeDecoder(
+            target, hybrid, policy, GREEDY, None, V, max_draft_length=max_draft_length
+        )
+        lookup_rounds = draft_rounds = 0
+        for prompt, reference in zip(prompts, references, strict=True):
+            result = decoder.generate(prompt, 30)
+            assert result.tokens == reference, (
+                f"the hybrid ({inner}) with {name} diverged from the target's output"
+            )
+            lookup_rounds += hybrid.lookup_rounds
+            draft_rounds += hybrid.draft_rounds
+        assert lookup_rounds > 0 and draft_rounds > 0, name
+
+
+def test_the_hybrid_samples_the_target_distribution_when_the_draft_proposes():
+    target, draft = toy_pair(SMALL_V, hidden_size=16, num_heads=2, initializer_range=0.5, noise=1.0, seed=5)
+    exact = exact_two_token_distribution(target, STAT_PROMPT, SMALL_SAMPLING, SMALL_V)
+    # min_ngram 2: STAT_PROMPT's bigram suffix never came before, so the first round's two candidates are the draft's
+    hybrid = HybridProposer(PromptLookupProposer(SMALL_V, CPU, min_ngram=2), DraftLMProposer(draft, SMALL_V))
+    assert matches_two_token_distribution(_block_counts(hybrid, target), exact)
+    assert hybrid.draft_rounds > 0
+
+
+def test_the_hybrid_refuses_a_policy_that_reads_states_and_a_vocabulary_mismatch(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="vocab_size"):
+        HybridProposer(PromptLookupProposer(V + 1, CPU), DraftLMProposer(draft, V))
+    hybrid = HybridProposer(PromptLookupProposer(V, CPU), DraftLMProposer(draft, V))
+    decoder = SpeculativeDecoder(target, hybrid, _all_policies(draft)["head"][0], GREEDY, None, V)
+    with pytest.raises(ValueError, match="no hidden states for a policy to read"):
+        decoder.generate([1, 2, 3, 4], 8)
 
 
 # ---------------------------------------------------------------------------------------------- the contract

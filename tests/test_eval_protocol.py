@@ -126,7 +126,7 @@ def test_selection_uses_the_selection_prompts_and_the_engine_bound(models_, monk
     assert result.report.entry("noisy/fixed_k3").policy == "fixed_k3"
 
 
-def test_a_training_free_baseline_gets_its_own_k_and_one_row_after_the_drafts(models_, monkeypatch):
+def test_prompt_lookup_gets_its_own_k_and_one_row_after_the_drafts(models_, monkeypatch):
     target, drafts = models_
     lookup = PromptLookupProposer(V, torch.device("cpu"))
     chosen: list[tuple[object, list]] = []
@@ -139,7 +139,7 @@ def test_a_training_free_baseline_gets_its_own_k_and_one_row_after_the_drafts(mo
     monkeypatch.setattr(protocol, "best_fixed_length", recording)
     selection_prompts = _prompts(2, offset=1)
     result = _run(
-        target, {"noisy": drafts["noisy"]}, {}, {"oracle": Oracle()}, baselines={"prompt_lookup": lookup},
+        target, {"noisy": drafts["noisy"]}, {}, {"oracle": Oracle()}, lookups={"prompt_lookup": lookup},
         selection_prompts=selection_prompts,
     )  # fmt: skip
     k = result.choices["prompt_lookup"]["best_k"]
@@ -152,7 +152,7 @@ def test_a_training_free_baseline_gets_its_own_k_and_one_row_after_the_drafts(mo
     assert [o["tokens"] for o in row.outputs] == [o["tokens"] for o in result.report.baseline.outputs]
     assert row.stats.draft_forwards == 0
     with pytest.raises(ValueError, match="have the names of drafts"):
-        _run(target, drafts, {}, {}, baselines={"noisy": lookup})
+        _run(target, drafts, {}, {}, lookups={"noisy": lookup})
 
 
 def test_protocol_refuses_bad_inputs(models_):

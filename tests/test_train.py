@@ -64,6 +64,7 @@ def chain(tmp_path_factory):
          f"+evaluate.heads.adaspec={runs['acceptance_head'] / 'adaspec' / 'export'}", "evaluate.num_prompts=2",
          "evaluate.selection_prompts=2", "evaluate.max_new_tokens=6", "evaluate.fixed_lengths=[2]",
          "evaluate.acceptance_head.thresholds=[0.5]", "evaluate.acceptance_head.min_draft_length=1", "logger=wandb",
+         "evaluate.prompt_lookup.hybrid=true",
          f"hydra.run.dir={runs['evaluate']}"]
     ))  # fmt: skip
     return runs
@@ -87,8 +88,9 @@ def test_evaluate_reports_every_policy_and_the_acceptance_head_ratios(chain):
     names = [e["name"] for e in json.loads((chain["evaluate"] / "report.json").read_text())["entries"]]
     assert any("acceptance_head_h0.5" in n for n in names) and any(n.endswith("fixed_k2") for n in names)
     assert (chain["evaluate"] / "report.txt").is_file()
-    # prompt lookup, the training-free baseline, is the last row at its K, and its vLLM settings are written
-    assert names[-1] == "prompt_lookup/fixed_k2"
+    # prompt lookup, the training-free baseline, and the draft behind it follow the draft's rows, one row each at
+    # their K, and lookup's vLLM settings are written
+    assert names[-2:] == ["prompt_lookup/fixed_k2", "adaspec+prompt_lookup/fixed_k2"]
     vllm = json.loads((chain["evaluate"] / "prompt_lookup_speculative_config.json").read_text())
     assert vllm == {
         "method": "ngram",

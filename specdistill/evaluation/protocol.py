@@ -12,8 +12,8 @@ with an `EvalProtocol` (the grids, splits, decoding and timing below):
    given training-free `policies` in their order (e.g. heuristic, confidence, entropy, oracle), and every head
    policy of the grid, `<draft>/<draft>_acceptance_head_h{h}` (`_newest` suffix for newest-candidate scoring). Every
    engine, in selection and test, gets the same bound `max_draft_length`.
-   Training-free `baselines` (prompt lookup) follow the drafts with one row each, `<baseline>/fixed_k{K}` at the
-   K chosen for them the same way.
+   The `lookups` (prompt lookup alone, and a draft behind it: `HybridProposer`) follow the drafts with one row each,
+   `<name>/fixed_k{K}` at the K chosen for them the same way.
    With `acceptance_draft_length` = K0 (AdaSPEC's alpha, measured at one fixed draft length), every draft also runs
    `<draft>/fixed_k{K0}` on the test split (if K0 is not already its chosen K), and `acceptance_at_fixed_length`
    reports each draft's `acceptance_rate` there, beside the speed results.
@@ -154,7 +154,7 @@ def evaluate_drafts(
     score_fn: ScoreFn | None = None,
     task_metric_name: str | None = None,
     eos_token_id: int | Sequence[int] | None = None,
-    baselines: Mapping[str, Drafter] | None = None,
+    lookups: Mapping[str, Drafter] | None = None,
 ) -> EvaluationResult:
     """Choose K (and h) per draft on the selection split, then decode the test prompts with everything (module doc).
 
@@ -172,16 +172,17 @@ def evaluate_drafts(
         vocab_size: the tokenizer's real vocabulary (None: `len(tokenizer)`).
         score_fn / task_metric_name: the task metric of the test outputs (e.g. `task.score`, `task.metric_name`).
         eos_token_id: overrides the tokenizer's EOS.
-        baselines: training-free proposers (name -> e.g. a `PromptLookupProposer`), reported after the drafts at
-            their own K chosen on the selection split; the policies and heads are the drafts' only.
+        lookups: proposers that draft from prompt lookup (name -> a `PromptLookupProposer`, or a `HybridProposer`
+            of lookup and a draft), reported after the drafts at their own K chosen on the selection split; the
+            policies and heads are the drafts' only.
     """
     unknown = sorted(set(heads) - set(drafts))
     if unknown:
         raise ValueError(f"heads given for drafts that are not evaluated: {unknown}")
-    baselines = dict(baselines or {})
-    clash = sorted(set(baselines) & set(drafts))
+    lookups = dict(lookups or {})
+    clash = sorted(set(lookups) & set(drafts))
     if clash:
-        raise ValueError(f"baselines {clash} have the names of drafts: give them other names")
+        raise ValueError(f"lookups {clash} have the names of drafts: give them other names")
     common: dict[str, Any] = dict(
         sampling=protocol.sampling, max_new_tokens=protocol.max_new_tokens, seed=protocol.seed, tokenizer=tokenizer,
         vocab_size=vocab_size, eos_token_id=eos_token_id, warmup=protocol.warmup,
@@ -218,16 +219,16 @@ def evaluate_drafts(
         for name, policy in candidates.items():
             all_policies[f"{draft_name}_{name}"] = policy
             combinations.append((draft_name, f"{draft_name}_{name}"))
-    for name, baseline in baselines.items():
-        best_k, per_k = best_fixed_length(target, baseline, list(protocol.fixed_lengths), **selection)
+    for name, lookup in lookups.items():
+        best_k, per_k = best_fixed_length(target, lookup, list(protocol.fixed_lengths), **selection)
         choices[name] = {"best_k": best_k, "tokens_per_second_by_k": per_k}
         all_policies.setdefault(f"fixed_k{best_k}", FixedLength(best_k))
         combinations.append((name, f"fixed_k{best_k}"))
-    order = [*drafts, *baselines]
+    order = [*drafts, *lookups]
     combinations.sort(key=lambda c: order.index(c[0]))  # stable: per draft fixed K, given policies, head grid
 
     report = evaluate_policies(
-        target, {**drafts, **baselines}, all_policies, test_prompts, score_fn, combinations=combinations, repeats=protocol.repeats,
+        target, {**drafts, **lookups}, all_policies, test_prompts, score_fn, combinations=combinations, repeats=protocol.repeats,
         task_metric_name=task_metric_name, split=protocol.split, **common,
     )  # fmt: skip
     ratios = policy_ratios(report, choices)

@@ -13,7 +13,7 @@ from pathlib import Path
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from specdistill.decoding.proposers.prompt_lookup import PromptLookupProposer
+from specdistill.decoding.proposers import HybridProposer, PromptLookupProposer
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.evaluation.protocol import EvalProtocol, evaluate_drafts
 from specdistill.evaluation.report import summary_metrics
@@ -58,9 +58,14 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     )
     task = tested.task
     lookup = settings.prompt_lookup
-    baselines = {}
+    lookups = {}
     if lookup is not None:
-        baselines[LOOKUP_NAME] = PromptLookupProposer(vocab_size, device, lookup.min_ngram, lookup.max_ngram)
+        proposer = PromptLookupProposer(vocab_size, device, lookup.min_ngram, lookup.max_ngram)
+        lookups[LOOKUP_NAME] = proposer
+        if lookup.hybrid:
+            lookups.update(
+                {f"{name}+{LOOKUP_NAME}": HybridProposer(proposer, model) for name, model in models.items()}
+            )
     result = evaluate_drafts(
         target,
         models,
@@ -75,7 +80,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         vocab_size=vocab_size,
         score_fn=task.score if task.scoring_available else None,
         task_metric_name=task.metric_name,
-        baselines=baselines,
+        lookups=lookups,
     )
     result.report.settings["task"] = task.name  # the plots' titles name it
     result.report.settings["selection_task"] = cfg.task.name

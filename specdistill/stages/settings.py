@@ -512,6 +512,9 @@ class PromptLookupSettings:
     """Shortest suffix looked up (vLLM's prompt_lookup_min)."""
     max_ngram: int
     """Longest suffix looked up (vLLM's prompt_lookup_max); the longest that occurred before wins."""
+    hybrid: bool
+    """Also run every draft behind lookup (`<draft>+prompt_lookup`): lookup's block where the context offers a
+    match, the draft's otherwise."""
 
     def __post_init__(self) -> None:
         where = "evaluate.prompt_lookup"

@@ -12,6 +12,8 @@ from specdistill.decoding.proposers.base import (
 from specdistill.decoding.proposers.chain import ChainProposer
 from specdistill.decoding.proposers.draft_lm import DraftLMProposer
 from specdistill.decoding.proposers.eagle3 import Eagle3Proposer
+from specdistill.decoding.proposers.hybrid import HybridProposer
+from specdistill.decoding.proposers.prompt_lookup import PromptLookupProposer
 
 __all__ = [
     "BlockProposer",
@@ -22,6 +24,8 @@ __all__ = [
     "Drafter",
     "DraftProposal",
     "Eagle3Proposer",
+    "HybridProposer",
+    "PromptLookupProposer",
     "Proposer",
     "TargetHidden",
 ]
