@@ -8,6 +8,7 @@ from specdistill.decoding.proposers.base import (
     DraftProposal,
     Proposer,
     TargetHidden,
+    WrappingProposer,
 )
 from specdistill.decoding.proposers.chain import ChainProposer
 from specdistill.decoding.proposers.draft_lm import DraftLMProposer
@@ -28,4 +29,5 @@ __all__ = [
     "PromptLookupProposer",
     "Proposer",
     "TargetHidden",
+    "WrappingProposer",
 ]

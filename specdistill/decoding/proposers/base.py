@@ -254,3 +254,47 @@ class BlockProposer(Drafter):
                 round), on `device`.
             request: the round's cap, what to return and how to draw.
         """
+
+
+class WrappingProposer(BlockProposer):
+    """A block proposer around another proposer, `wrapped`, whose state is the state over the sequence: every
+    lifecycle member (`Drafter`'s) is the wrapped proposer's. Subclasses set `wrapped` and write `propose_block`."""
+
+    wrapped: Drafter
+
+    @property
+    def vocab_size(self) -> int:  # type: ignore[override]
+        return self.wrapped.vocab_size
+
+    @property
+    def target_hidden_layers(self) -> tuple[int, ...] | None:  # type: ignore[override]
+        return self.wrapped.target_hidden_layers
+
+    @property
+    def drafts_after_prefill(self) -> bool:  # type: ignore[override]
+        return self.wrapped.drafts_after_prefill
+
+    @property
+    def forwards(self) -> int:  # type: ignore[override]
+        return self.wrapped.forwards
+
+    @property
+    def device(self) -> torch.device:
+        return self.wrapped.device
+
+    @property
+    def length(self) -> int:
+        return self.wrapped.length
+
+    @property
+    def cache(self) -> Cache | None:
+        return self.wrapped.cache
+
+    def start(self, prompt: torch.Tensor, capacity: int, cache_implementation: str) -> None:
+        self.wrapped.start(prompt, capacity, cache_implementation)
+
+    def observe_target(self, verified: TargetHidden) -> None:
+        self.wrapped.observe_target(verified)
+
+    def rollback(self, length: int) -> None:
+        self.wrapped.rollback(length)

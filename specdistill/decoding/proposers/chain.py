@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache
 
 from specdistill.decoding.proposers.base import (
-    BlockProposer,
     BlockRequest,
     DraftBlock,
     DraftProposal,
     Proposer,
-    TargetHidden,
+    WrappingProposer,
 )
 
 
-class ChainProposer(BlockProposer):
+class ChainProposer(WrappingProposer):
     """Drafts one token per block with an autoregressive `Proposer`, which keeps its whole lifecycle.
 
     Each block holds the token drawn from the latest proposal. With `request.feed_newest` the token is fed back
@@ -30,41 +28,13 @@ class ChainProposer(BlockProposer):
     chained = True
 
     def __init__(self, proposer: Proposer) -> None:
-        self.proposer = proposer
+        self.proposer = self.wrapped = proposer
         self._pending: DraftProposal | None = None
         self._pending_end = -1
 
-    @property
-    def vocab_size(self) -> int:  # type: ignore[override]
-        return self.proposer.vocab_size
-
-    @property
-    def target_hidden_layers(self) -> tuple[int, ...] | None:  # type: ignore[override]
-        return self.proposer.target_hidden_layers
-
-    @property
-    def drafts_after_prefill(self) -> bool:  # type: ignore[override]
-        return self.proposer.drafts_after_prefill
-
-    @property
-    def forwards(self) -> int:  # type: ignore[override]
-        return self.proposer.forwards
-
-    @property
-    def device(self) -> torch.device:
-        return self.proposer.device
-
-    @property
-    def length(self) -> int:
-        return self.proposer.length
-
-    @property
-    def cache(self) -> Cache | None:
-        return self.proposer.cache
-
     def start(self, prompt: torch.Tensor, capacity: int, cache_implementation: str) -> None:
         self._pending = None
-        self.proposer.start(prompt, capacity, cache_implementation)
+        super().start(prompt, capacity, cache_implementation)
 
     def propose_block(self, tokens: torch.Tensor, request: BlockRequest) -> DraftBlock:
         end = tokens.shape[1]
@@ -81,9 +51,6 @@ class ChainProposer(BlockProposer):
             hidden = self._pending.hidden
         return DraftBlock(token.view(1), probs.unsqueeze(0), None if hidden is None else hidden.unsqueeze(0))
 
-    def observe_target(self, verified: TargetHidden) -> None:
-        self.proposer.observe_target(verified)
-
     def rollback(self, length: int) -> None:
         self._pending = None
-        self.proposer.rollback(length)
+        super().rollback(length)

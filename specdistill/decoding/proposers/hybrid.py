@@ -11,21 +11,20 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache
 
 from specdistill.decoding.proposers.base import (
     BlockProposer,
     BlockRequest,
     DraftBlock,
     Proposer,
-    TargetHidden,
+    WrappingProposer,
 )
 from specdistill.decoding.proposers.chain import ChainProposer
 from specdistill.decoding.proposers.draft_lm import DraftLMProposer
 from specdistill.decoding.proposers.prompt_lookup import PromptLookupProposer
 
 
-class HybridProposer(BlockProposer):
+class HybridProposer(WrappingProposer):
     """Drafts each round from `lookup` when it finds a match, else from `draft`.
 
     A round drafted by lookup is one block (`chained` is False for it); a round drafted by an autoregressive draft is
@@ -41,7 +40,7 @@ class HybridProposer(BlockProposer):
         self.lookup = lookup
         if not isinstance(draft, Proposer | BlockProposer):  # a causal LM, as the engine takes one
             draft = DraftLMProposer(draft, lookup.vocab_size)
-        self.draft = draft if isinstance(draft, BlockProposer) else ChainProposer(draft)
+        self.draft = self.wrapped = draft if isinstance(draft, BlockProposer) else ChainProposer(draft)
         if lookup.vocab_size != self.draft.vocab_size:
             raise ValueError(
                 f"the lookup's vocab_size ({lookup.vocab_size}) differs from the draft's ({self.draft.vocab_size}): "
@@ -52,42 +51,14 @@ class HybridProposer(BlockProposer):
         self.draft_rounds = 0
 
     @property
-    def vocab_size(self) -> int:  # type: ignore[override]
-        return self.draft.vocab_size
-
-    @property
-    def target_hidden_layers(self) -> tuple[int, ...] | None:  # type: ignore[override]
-        return self.draft.target_hidden_layers
-
-    @property
-    def drafts_after_prefill(self) -> bool:  # type: ignore[override]
-        return self.draft.drafts_after_prefill
-
-    @property
-    def forwards(self) -> int:  # type: ignore[override]
-        return self.draft.forwards
-
-    @property
     def chained(self) -> bool:  # type: ignore[override]
         return self._from_draft and self.draft.chained
-
-    @property
-    def device(self) -> torch.device:
-        return self.draft.device
-
-    @property
-    def length(self) -> int:
-        return self.draft.length
-
-    @property
-    def cache(self) -> Cache | None:
-        return self.draft.cache
 
     def start(self, prompt: torch.Tensor, capacity: int, cache_implementation: str) -> None:
         self._from_draft = False
         self.lookup_rounds = self.draft_rounds = 0
         self.lookup.start(prompt, capacity, cache_implementation)
-        self.draft.start(prompt, capacity, cache_implementation)
+        super().start(prompt, capacity, cache_implementation)
 
     def propose_block(self, tokens: torch.Tensor, request: BlockRequest) -> DraftBlock:
         if request.with_hidden:
@@ -105,9 +76,6 @@ class HybridProposer(BlockProposer):
         self.draft_rounds += 1
         return self.draft.propose_block(tokens, request)
 
-    def observe_target(self, verified: TargetHidden) -> None:
-        self.draft.observe_target(verified)
-
     def rollback(self, length: int) -> None:
         self._from_draft = False  # every round starts by looking up
-        self.draft.rollback(length)
+        super().rollback(length)
