@@ -144,7 +144,9 @@ def test_a_short_pipeline_on_the_real_pair_runs_through_train_py(tmp_path, local
     assert "stdlib_code/train: training on 6 generated answers" in (run / "train.log").read_text()
     report = json.loads((run / "evaluate" / "report.json").read_text())
     names = [e["name"] for e in report["entries"]]
-    assert {e["draft"] for e in report["entries"]} == {None, "distillspec", "adaspec"}
+    # the two drafts, and prompt lookup beside them (evaluate.prompt_lookup, on by default): one row at its K
+    assert {e["draft"] for e in report["entries"]} == {None, "distillspec", "adaspec", "prompt_lookup"}
+    assert names[-1] == "prompt_lookup/fixed_k2"
     assert any("head" in name for name in names) and any("oracle" in name for name in names)
     # the experiment turns the training-free policies off (evaluate.policies.<name>: null)
     assert not [name for name in names if name.split("/")[-1] in ("heuristic", "confidence", "entropy")], (
