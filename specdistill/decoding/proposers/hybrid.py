@@ -61,11 +61,7 @@ class HybridProposer(WrappingProposer):
         super().start(prompt, capacity, cache_implementation)
 
     def propose_block(self, tokens: torch.Tensor, request: BlockRequest) -> DraftBlock:
-        if request.with_hidden:
-            raise ValueError(
-                "the hybrid's lookup rounds have no hidden states for a policy to read: use a policy without "
-                "needs_hidden_states (fixed, heuristic, confidence, entropy, oracle) with it"
-            )
+        # every round starts with lookup, which refuses a policy that reads hidden states (it has none)
         if self._from_draft:  # the rest of a chain this round
             return self.draft.propose_block(tokens, request)
         block = self.lookup.propose_block(tokens, request)
