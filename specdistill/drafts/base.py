@@ -32,6 +32,10 @@ from specdistill.models.vocab import check_model_covers_vocab
 KIND_FILE = "draft_kind.json"
 
 
+# a chain position with no candidate (`DraftKind.chain_candidates`)
+NO_CANDIDATE = -1
+
+
 @dataclass(frozen=True)
 class TargetPass:
     """What the target's forward gave for one micro-batch (computed once, without gradients).
@@ -225,6 +229,26 @@ class DraftKind:
             vocab_size: the tokenizer's real vocabulary (the head drops padded output rows), or None for every row.
         """
         return DraftStates(final_hidden_states(draft, batch), OutputHead(draft, vocab_size))
+
+    @torch.no_grad()
+    def chain_candidates(
+        self,
+        draft: nn.Module,
+        target: nn.Module | None,
+        batch: Mapping[str, Any],
+        depth: int,
+        vocab_size: int | None,
+    ) -> torch.Tensor:
+        """`(T, depth)` the greedy chain the draft proposes after each position of the one sequence in `batch`, its
+        earlier candidates being the sequence's own tokens (the chain a greedy target accepts): `[t, j]` proposes
+        token `t + 1 + j`, `NO_CANDIDATE` past the sequence (`specdistill.evaluation.offline` reads it). A causal
+        LM's candidate `j` is its teacher-forced argmax at `t + j`; a kind whose later steps read its own states
+        (EAGLE-3) overrides it. The arguments are those of `teacher_forced`; `batch` holds one sequence."""
+        states = self.teacher_forced(draft, target, batch, vocab_size)
+        greedy = states.head(states.hidden[0]).argmax(dim=-1)  # (T,): position t proposes token t + 1
+        return torch.cat([greedy, greedy.new_full((depth,), NO_CANDIDATE)]).unfold(0, depth, 1)[
+            : greedy.numel()
+        ]
 
     def check_reference(self, draft: nn.Module, reference: nn.Module) -> None:
         """Refuse an AdaSPEC `reference` of this kind whose rows would not line up with `draft`'s (see

@@ -44,7 +44,14 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from specdistill.decoding.proposers.eagle3 import Eagle3Proposer
-from specdistill.drafts.base import DraftKind, DraftStates, TargetPass, TrainingRows, target_states
+from specdistill.drafts.base import (
+    NO_CANDIDATE,
+    DraftKind,
+    DraftStates,
+    TargetPass,
+    TrainingRows,
+    target_states,
+)
 from specdistill.drafts.eagle3_foreign import WEIGHTS_FILE, one_line, read_foreign_head
 from specdistill.errors import ConfigError, InputFileError
 from specdistill.export.hf import umask_modes
@@ -74,6 +81,20 @@ class ProjectedHead:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.layer(hidden)
+
+
+def _unrolled(
+    draft: nn.Module, target: nn.Module | None, batch: Mapping[str, Any], steps: int, caller: str
+) -> list[Any]:
+    """The head's unroll of `steps` steps over the target's states of `batch` (`Eagle3Head.unroll`)."""
+    if target is None:
+        raise ValueError(
+            f"an EAGLE-3 head drafts from the target's hidden states: pass the target to {caller}"
+        )
+    layers = draft.config.aux_layer_ids
+    _, states = target_states(target, batch, layers)
+    features = torch.cat([states[i] for i in layers], dim=-1)
+    return draft.unroll(features, batch["input_ids"], batch["attention_mask"], steps)
 
 
 class TargetVocabularyHead:
@@ -266,16 +287,29 @@ class Eagle3(DraftKind):
         `t + 1`, as the decoding proposer's real-state positions do); position 0 has no target state before it and
         holds zeros. The head's logits are on the target's ids, `-inf` outside the draft vocabulary (such a token
         cannot be drafted)."""
-        if target is None:
-            raise ValueError(
-                "an EAGLE-3 head drafts from the target's hidden states: pass the target to teacher_forced"
-            )
-        layers = draft.config.aux_layer_ids
-        _, states = target_states(target, batch, layers)
-        features = torch.cat([states[i] for i in layers], dim=-1)
-        step = draft.unroll(features, batch["input_ids"], batch["attention_mask"], 1)[0]
+        step = _unrolled(draft, target, batch, 1, "teacher_forced")[0]
         hidden = torch.cat([torch.zeros_like(step.normed[:, :1]), step.normed[:, :-1]], dim=1)
         return DraftStates(hidden, TargetVocabularyHead(draft, vocab_size))
+
+    @torch.no_grad()
+    def chain_candidates(
+        self,
+        draft: nn.Module,
+        target: nn.Module | None,
+        batch: Mapping[str, Any],
+        depth: int,
+        vocab_size: int | None,
+    ) -> torch.Tensor:
+        """The unroll's `depth` steps over the target's states of the one sequence in `batch`: candidate `j` after
+        position `t` is step `j` at EAGLE index `t - 1` (it read the target's states up to `t - 1`, token `t` and its
+        own `j` steps; see `teacher_forced`), on the target's ids; position 0 proposes nothing."""
+        head = TargetVocabularyHead(draft, vocab_size)
+        steps = _unrolled(draft, target, batch, depth, "chain_candidates")
+        ids = batch["input_ids"]
+        out = torch.full((ids.shape[1], depth), NO_CANDIDATE, dtype=torch.long, device=ids.device)
+        for j, step in enumerate(steps):
+            out[1:, j] = head(step.normed[0, :-1]).argmax(dim=-1)
+        return out
 
     # -- export and loading
 
