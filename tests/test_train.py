@@ -91,6 +91,13 @@ def test_evaluate_reports_every_policy_and_the_acceptance_head_ratios(chain):
     # prompt lookup, the training-free baseline, and the draft behind it follow the draft's rows, one row each at
     # their K, and lookup's vLLM settings are written
     assert names[-2:] == ["prompt_lookup/fixed_k2", "adaspec+prompt_lookup/fixed_k2"]
+    # greedy: the offline estimate of every drafter at the K grid, beside the decoded figure (equal but for ties)
+    offline = json.loads((chain["evaluate"] / "report.json").read_text())["settings"][
+        "offline_tokens_per_target_call"
+    ]
+    assert set(offline) == {"adaspec", "prompt_lookup", "adaspec+prompt_lookup"}
+    assert all(set(by_k) == {"2"} and by_k["2"] >= 1.0 for by_k in offline.values()), offline
+    assert result["adaspec/offline_over_decoded_k2"] == pytest.approx(1.0, abs=0.05)
     vllm = json.loads((chain["evaluate"] / "prompt_lookup_speculative_config.json").read_text())
     assert vllm == {
         "method": "ngram",

@@ -8,15 +8,29 @@ the plots, `report.txt` (the console table) and prompt lookup's vLLM settings (`
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
+from torch import nn
 
 from specdistill.decoding.proposers import HybridProposer, PromptLookupProposer
 from specdistill.decoding.sampling import SamplingConfig
+from specdistill.drafts.base import LoadedDraft
+from specdistill.evaluation.offline import (
+    decoded_fixed_lengths,
+    decoded_sequences,
+    format_offline,
+    hybrid_candidates,
+    lookup_candidates,
+    offline_table,
+)
 from specdistill.evaluation.protocol import EvalProtocol, evaluate_drafts
-from specdistill.evaluation.report import summary_metrics
+from specdistill.evaluation.report import Report, summary_metrics
 from specdistill.export.ngram import write_ngram_config
 from specdistill.models.acceptance_head import AcceptanceHead
 from specdistill.stages.build import (
@@ -66,6 +80,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
             lookups.update(
                 {f"{name}+{LOOKUP_NAME}": HybridProposer(proposer, model) for name, model in models.items()}
             )
+    test_prompts = tested.prompts(settings.split)[: settings.num_prompts]
     result = evaluate_drafts(
         target,
         models,
@@ -74,7 +89,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
             name: instantiate(node) for name, node in (settings.policies or {}).items() if node is not None
         },  # null: off
         eval_protocol(settings, SamplingConfig(**cfg.sampling), cfg.seed),
-        test_prompts=tested.prompts(settings.split)[: settings.num_prompts],
+        test_prompts=test_prompts,
         selection_prompts=datamodule.prompts(settings.selection_split)[: settings.selection_prompts],
         tokenizer=tokenizer,
         vocab_size=vocab_size,
@@ -82,6 +97,14 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         task_metric_name=task.metric_name,
         lookups=lookups,
     )
+    if result.report.settings["sampling"]["greedy"]:
+        offline = offline_estimate(
+            result.report, test_prompts, target, loaded, {**models, **lookups}, settings, vocab_size
+        )
+        result.report.settings["offline_tokens_per_target_call"] = offline
+        decoded = decoded_fixed_lengths(result.report, list(offline))
+        result.table += "\n" + format_offline(offline, decoded)
+        result.ratios.update(offline_ratios(offline, decoded))
     result.report.settings["task"] = task.name  # the plots' titles name it
     result.report.settings["selection_task"] = cfg.task.name
     result.report.save(out_dir)
@@ -102,6 +125,60 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         out_dir,
         {"stage": "evaluate", "report": str(out_dir / "report.json"), **result.ratios, "table": result.table},
     )
+
+
+def offline_estimate(
+    report: Report,
+    prompts: list[dict[str, Any]],
+    target: nn.Module,
+    loaded: dict[str, LoadedDraft],
+    proposers: dict[str, Any],
+    settings: EvaluateSettings,
+    vocab_size: int,
+) -> dict[str, dict[int, float | None]]:
+    """Each draft's (and prompt lookup's) tokens per target call at every K of the grid, from teacher-forced passes
+    over the target's greedy test outputs (`specdistill.evaluation.offline`)."""
+    sequences, prompt_lengths = decoded_sequences(report, prompts)
+    lengths = sorted(set(settings.fixed_lengths))
+    depth = lengths[-1]
+    device = next(target.parameters()).device
+
+    def chain(draft: LoadedDraft) -> Callable[[torch.Tensor], torch.Tensor]:
+        def candidates(seq: torch.Tensor) -> torch.Tensor:
+            batch = {
+                "input_ids": seq[None].to(device),
+                "attention_mask": torch.ones(1, seq.numel(), device=device),
+            }
+            return draft.kind.chain_candidates(draft.model, target, batch, depth, vocab_size).cpu()
+
+        return candidates
+
+    candidates = {name: chain(draft) for name, draft in loaded.items()}
+    lookup = settings.prompt_lookup
+    if lookup is not None:
+        candidates[LOOKUP_NAME] = functools.partial(
+            lookup_candidates, min_ngram=lookup.min_ngram, max_ngram=lookup.max_ngram, depth=depth
+        )
+        if lookup.hybrid:
+            for name in loaded:
+                candidates[f"{name}+{LOOKUP_NAME}"] = lambda seq, d=candidates[name]: hybrid_candidates(
+                    candidates[LOOKUP_NAME](seq), d(seq)
+                )
+    prefill = {name: bool(getattr(p, "drafts_after_prefill", False)) for name, p in proposers.items()}
+    return offline_table(candidates, sequences, prompt_lengths, settings.max_new_tokens, lengths, prefill)
+
+
+def offline_ratios(
+    offline: dict[str, dict[int, float | None]], decoded: dict[str, tuple[int, float]]
+) -> dict[str, float]:
+    """`<draft>/offline_over_decoded_k<K>`: the offline estimate over the decoded tokens per target call at the K
+    the draft was decoded at (1: exact)."""
+    out = {}
+    for name, (k, value) in decoded.items():
+        estimate = offline.get(name, {}).get(k)
+        if estimate is not None and value:
+            out[f"{name}/offline_over_decoded_k{k}"] = estimate / value
+    return out
 
 
 def eval_protocol(settings: EvaluateSettings, sampling: SamplingConfig, seed: int) -> EvalProtocol:
