@@ -93,7 +93,17 @@ def test_protocol_reports_every_configuration_in_the_stage_order(models_):
         "noisy/acceptance_head_over_best_fixed_k",
         "noisy/acceptance_head_over_oracle",
     }
-    assert result.table.endswith(format_ratios(result.choices, result.ratios))
+    # greedy: every configuration's outputs compared with the target's, and the count in the table's last line
+    agreement = settings["greedy_agreement"]
+    assert list(agreement) == names[1:]
+    assert all(a["identical"] == a["outputs"] == 2 and not a["departures"] for a in agreement.values()), (
+        agreement
+    )
+    assert format_ratios(result.choices, result.ratios) in result.table
+    assert result.table.splitlines()[-1] == (
+        f"greedy outputs identical to the target's (float32): {len(names) - 1} of {len(names) - 1} configurations "
+        "on all 2 prompts"
+    )
     assert "length" in result.table.splitlines()[0]
 
 

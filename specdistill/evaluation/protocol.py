@@ -35,6 +35,7 @@ from specdistill.decoding.head_policy import head_policy_grid
 from specdistill.decoding.policies import DraftPolicy, FixedLength
 from specdistill.decoding.proposers import Drafter
 from specdistill.decoding.sampling import SamplingConfig
+from specdistill.evaluation.agreement import format_agreement, output_agreement
 from specdistill.evaluation.report import Report, format_table
 from specdistill.evaluation.runner import ScoreFn, best_fixed_length, evaluate_policies, select_policy
 from specdistill.models.acceptance_head import AcceptanceHead
@@ -140,6 +141,20 @@ class EvalProtocol:
     acceptance_draft_length: int | None = None
 
 
+def greedy_agreement(
+    target: torch.nn.Module, report: Report, prompts: Sequence[Mapping[str, Any]], vocab_size: int
+) -> dict[str, dict[str, Any]]:
+    """entry name -> `output_agreement` of its outputs with the autoregressive target's (greedy runs)."""
+    baseline = report.baseline
+    if baseline is None:
+        return {}
+    return {
+        e.name: output_agreement(target, prompts, baseline.outputs, e.outputs, vocab_size)
+        for e in report.entries
+        if e is not baseline
+    }
+
+
 def evaluate_drafts(
     target: torch.nn.Module,
     drafts: Mapping[str, torch.nn.Module],
@@ -231,10 +246,15 @@ def evaluate_drafts(
         target, {**drafts, **lookups}, all_policies, test_prompts, score_fn, combinations=combinations, repeats=protocol.repeats,
         task_metric_name=task_metric_name, split=protocol.split, **common,
     )  # fmt: skip
+    if protocol.sampling.is_greedy:
+        agreement = greedy_agreement(target, report, test_prompts, vocab_size or len(tokenizer))
+        report.settings["greedy_agreement"] = agreement
     ratios = policy_ratios(report, choices)
     report.settings["selection"] = {"split": protocol.selection_split, **choices}
     report.settings["ratios"] = ratios
     table = format_table(report) + "\n" + format_ratios(choices, ratios)
+    if protocol.sampling.is_greedy:
+        table += "\n" + format_agreement(report.settings["greedy_agreement"], next(target.parameters()).dtype)
     acceptance_draft_length = protocol.acceptance_draft_length
     if acceptance_draft_length is not None:
         alpha = acceptance_at_fixed_length(report, list(drafts), acceptance_draft_length)
