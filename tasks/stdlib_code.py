@@ -52,10 +52,11 @@ def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def module_name(path: Path, root: Path) -> str | None:
-    """`a/b/c.py` under `root` -> "a.b.c" (`a/__init__.py` -> "a"); None for a skipped or private module."""
+def module_name(path: Path, root: Path, skipped_dirs: frozenset[str] = SKIPPED_DIRS) -> str | None:
+    """`a/b/c.py` under `root` -> "a.b.c" (`a/__init__.py` -> "a"); None for a module in one of `skipped_dirs`, a
+    test module, or a private one (a hidden directory is not an identifier: skipped too)."""
     parts = list(path.relative_to(root).with_suffix("").parts)
-    if any(p in SKIPPED_DIRS for p in parts[:-1]) or parts[-1].startswith("test_"):
+    if any(p in skipped_dirs for p in parts[:-1]) or parts[-1].startswith("test_"):
         return None
     if parts[-1] == "__init__":
         parts.pop()
@@ -64,8 +65,9 @@ def module_name(path: Path, root: Path) -> str | None:
     return ".".join(parts)
 
 
-def function_records(source: str, module: str, max_answer_chars: int) -> list[Record]:
-    """The usable module-level functions of one module's source (see the module docstring), in file order."""
+def function_records(source: str, module: str, max_answer_chars: int, prefix: str = "stdlib") -> list[Record]:
+    """The usable module-level functions of one module's source (see the module docstring), in file order; their
+    `task_id` is `<prefix>/<module>.<function>`."""
     try:
         tree = ast.parse(source)
     except SyntaxError:  # a file of another Python's grammar (none in a clean stdlib): nothing to read
@@ -95,7 +97,7 @@ def function_records(source: str, module: str, max_answer_chars: int) -> list[Re
             continue
         out.append(
             {
-                "task_id": f"stdlib/{module}.{node.name}",
+                "task_id": f"{prefix}/{module}.{node.name}",
                 "prompt": prompt,
                 "canonical_solution": answer,
                 "entry_point": node.name,
@@ -104,10 +106,28 @@ def function_records(source: str, module: str, max_answer_chars: int) -> list[Re
     return out
 
 
-def split_of(qualified_name: str, fractions: Mapping[str, float]) -> str:
-    """The split a function belongs to: a hash of its qualified name placed in [0, 1) against `fractions`
-    (validation first, then test; the rest is train)."""
-    return hash_split(f"stdlib_code/{qualified_name}", fractions)
+def split_of(qualified_name: str, fractions: Mapping[str, float], task: str = "stdlib_code") -> str:
+    """The split a function belongs to: a hash of the task's name and the function's qualified name placed in
+    [0, 1) against `fractions` (validation first, then test; the rest is train)."""
+    return hash_split(f"{task}/{qualified_name}", fractions)
+
+
+def _normalised(record: Record) -> str:
+    """A function's text with every run of whitespace made one space: copies that differ only in layout match."""
+    return " ".join((record["prompt"] + record["canonical_solution"]).split())
+
+
+def deduplicated(records: list[Record]) -> list[Record]:
+    """`records` (in order) without the functions whose text, whitespace aside, an earlier one has: vendored copies
+    and helpers pasted into several modules would otherwise sit in more than one split."""
+    seen: set[str] = set()
+    out = []
+    for record in records:
+        key = _normalised(record)
+        if key not in seen:
+            seen.add(key)
+            out.append(record)
+    return out
 
 
 def entry_points(path: str | Path) -> frozenset[str]:
@@ -139,6 +159,11 @@ class StdlibCode(HumanEval):
     """
 
     name = "stdlib_code"
+    # task ids are `<id_prefix>/<module>.<function>`
+    id_prefix = "stdlib"
+    skipped_dirs = SKIPPED_DIRS
+    # drop functions whose text an earlier one has (off here: the standard library's corpus stays as README measured)
+    deduplicate = False
     required_columns = ("task_id", "prompt", "canonical_solution", "entry_point")
     default_path = None
     default_splits = {"train": "train", "validation": "validation", "test": "test"}
@@ -171,7 +196,7 @@ class StdlibCode(HumanEval):
 
     def program(self, completion: str, record: Record) -> str:
         raise TaskDataError(
-            "stdlib_code has no tests to run; it is a training corpus (score on task=humaneval)."
+            f"{self.name} has no tests to run; it is a training corpus (score on task=humaneval)."
         )
 
     @cached_property
@@ -185,12 +210,10 @@ class StdlibCode(HumanEval):
     def records_by_split(self) -> dict[str, list[Record]]:
         """Every usable function of `root`, sorted by qualified name and placed in its split."""
         if not self.root.is_dir():
-            raise TaskDataError(
-                f"No directory {self.root} to read standard-library functions from (task.root)."
-            )
+            raise TaskDataError(f"No directory {self.root} to read Python functions from (task.root).")
         records: list[Record] = []
         for path in sorted(self.root.rglob("*.py")):
-            module = module_name(path, self.root)
+            module = module_name(path, self.root, self.skipped_dirs)
             if module is None:
                 continue
             try:
@@ -200,20 +223,29 @@ class StdlibCode(HumanEval):
                 continue
             records.extend(
                 r
-                for r in function_records(source, module, self.max_answer_chars)
+                for r in function_records(source, module, self.max_answer_chars, self.id_prefix)
                 if r["entry_point"] not in self.excluded
             )
         records.sort(key=lambda r: r["task_id"])
+        if self.deduplicate:
+            records = deduplicated(records)
         if not records:
             raise TaskDataError(
-                f'stdlib_code found no usable function under {self.root} (module-level, public, with a """ '
+                f'{self.name} found no usable function under {self.root} (module-level, public, with a """ '
                 f"docstring and a body of at most max_answer_chars={self.max_answer_chars} characters); check "
                 "task.root and task.max_answer_chars."
             )
         out: dict[str, list[Record]] = {s: [] for s in SPLITS}
         for record in records:
-            out[split_of(record["task_id"].removeprefix("stdlib/"), self.fractions)].append(record)
+            qualified = record["task_id"].removeprefix(f"{self.id_prefix}/")
+            out[split_of(qualified, self.fractions, self.name)].append(record)
         return out
+
+    def _describe_source(self, split: str) -> str:
+        if self.local:
+            return super()._describe_source(split)
+        shares = ", ".join(f"{name} {share:g}" for name, share in self.fractions.items())
+        return f"the {split} share of the functions under {self.root}, by hash of their names: {shares}"
 
     def _load_source(self, split: str) -> datasets.Dataset:
         if self.local:
