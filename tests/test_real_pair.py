@@ -158,6 +158,11 @@ def test_a_short_pipeline_on_the_real_pair_runs_through_train_py(tmp_path, local
         outputs[row["name"]] = row["tokens"]
     baseline = outputs.pop(names[0])  # the autoregressive target's greedy output
     assert baseline and all(tokens == baseline for tokens in outputs.values()), sorted(outputs)
+    agreement = report["settings"]["greedy_agreement"]  # the report counts it too
+    assert set(agreement) == set(names[1:]) and all(a["identical"] == a["outputs"] for a in agreement.values())
+    # the offline estimate of each drafter at K = 2 against its decoded figure (equal but for near ties)
+    for name in ("distillspec", "adaspec", "prompt_lookup"):
+        assert report["settings"]["ratios"][f"{name}/offline_over_decoded_k2"] == pytest.approx(1.0, abs=0.05)
     diagnostics = json.loads((run / "analyse" / "diagnostics.json").read_text())
     assert (
         set(diagnostics["drafts"]) == {"distillspec", "adaspec"} and diagnostics["baseline"] == "distillspec"
