@@ -98,6 +98,9 @@ def test_evaluate_reports_every_policy_and_the_acceptance_head_ratios(chain):
     assert set(offline) == {"adaspec", "prompt_lookup", "adaspec+prompt_lookup"}
     assert all(set(by_k) == {"2"} and by_k["2"] >= 1.0 for by_k in offline.values()), offline
     assert result["adaspec/offline_over_decoded_k2"] == pytest.approx(1.0, abs=0.05)
+    # and the target's verification cost of 1 .. K + 1 tokens, relative to one token
+    cost = json.loads((chain["evaluate"] / "report.json").read_text())["settings"]["verification_cost"]
+    assert list(cost) == ["1", "2", "3"] and cost["1"] == 1.0 and all(c > 0 for c in cost.values())
     vllm = json.loads((chain["evaluate"] / "prompt_lookup_speculative_config.json").read_text())
     assert vllm == {
         "method": "ngram",

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from specdistill.decoding.cost import tokens_per_cost
 from specdistill.decoding.proposers.prompt_lookup import lookup_continuation
 from specdistill.drafts.base import NO_CANDIDATE
 from specdistill.evaluation.report import Report
@@ -182,3 +183,16 @@ def decoded_fixed_lengths(report: Report, names: Sequence[str]) -> dict[str, tup
             if value is not None:
                 out[entry.draft] = (int(entry.policy.removeprefix("fixed_k")), value)
     return out
+
+
+def format_cost(cost: Mapping[int, float], table: Mapping[str, Mapping[int, float | None]]) -> str:
+    """Console lines: the target's verification cost by tokens verified, and each drafter's best offline tokens per
+    unit of target cost (`tokens_per_cost`: a drafter that costs nothing reaches it as its speedup)."""
+    curve = "  ".join(f"n={n} {c:.2f}" for n, c in cost.items())
+    lines = [f"target verification cost (x one token, n tokens in one pass): {curve}"]
+    for name, by_k in table.items():
+        per_cost = tokens_per_cost(by_k, cost)
+        if per_cost:
+            k = max(per_cost, key=per_cost.__getitem__)
+            lines.append(f"  {name:<28} tokens per unit of target cost, best K={k}: {per_cost[k]:.3f}")
+    return "\n".join(lines)

@@ -18,12 +18,14 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
 
+from specdistill.decoding.cost import measure_verification_cost, relative_cost
 from specdistill.decoding.proposers import HybridProposer, PromptLookupProposer
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.drafts.base import LoadedDraft
 from specdistill.evaluation.offline import (
     decoded_fixed_lengths,
     decoded_sequences,
+    format_cost,
     format_offline,
     hybrid_candidates,
     lookup_candidates,
@@ -105,6 +107,9 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         decoded = decoded_fixed_lengths(result.report, list(offline))
         result.table += "\n" + format_offline(offline, decoded)
         result.ratios.update(offline_ratios(offline, decoded))
+        cost = target_cost(target, test_prompts, settings, vocab_size)
+        result.report.settings["verification_cost"] = cost
+        result.table += "\n" + format_cost(cost, offline)
     result.report.settings["task"] = task.name  # the plots' titles name it
     result.report.settings["selection_task"] = cfg.task.name
     result.report.save(out_dir)
@@ -166,6 +171,19 @@ def offline_estimate(
                 )
     prefill = {name: bool(getattr(p, "drafts_after_prefill", False)) for name, p in proposers.items()}
     return offline_table(candidates, sequences, prompt_lengths, settings.max_new_tokens, lengths, prefill)
+
+
+def target_cost(
+    target: nn.Module, prompts: list[dict[str, Any]], settings: EvaluateSettings, vocab_size: int
+) -> dict[int, float]:
+    """The target's relative cost of verifying 1 .. max(K) + 1 tokens (`specdistill.decoding.cost`), after a context
+    as long as a typical prompt with half the output budget."""
+    lengths = sorted(len(p["prompt_ids"]) for p in prompts)
+    context = max(1, lengths[len(lengths) // 2] + settings.max_new_tokens // 2)
+    depth = max(settings.fixed_lengths) + 1
+    return relative_cost(
+        measure_verification_cost(target, range(1, depth + 1), context, vocab_size=vocab_size)
+    )
 
 
 def offline_ratios(
