@@ -28,6 +28,7 @@ REQUIRED = {
         "task.fields.prompt=q",
         "task.fields.answer=a",
     ],
+    ("task", "python_folder"): [f"task.root={CONF.parent / 'tasks'}"],
 }
 
 
