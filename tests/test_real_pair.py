@@ -159,7 +159,9 @@ def test_a_short_pipeline_on_the_real_pair_runs_through_train_py(tmp_path, local
     baseline = outputs.pop(names[0])  # the autoregressive target's greedy output
     assert baseline and all(tokens == baseline for tokens in outputs.values()), sorted(outputs)
     agreement = report["settings"]["greedy_agreement"]  # the report counts it too
-    assert set(agreement) == set(names[1:]) and all(a["identical"] == a["outputs"] for a in agreement.values())
+    assert set(agreement) == set(names[1:]) and all(
+        a["identical"] == a["outputs"] for a in agreement.values()
+    )
     # the offline estimate of each drafter at K = 2 against its decoded figure (equal but for near ties)
     for name in ("distillspec", "adaspec", "prompt_lookup"):
         assert report["settings"]["ratios"][f"{name}/offline_over_decoded_k2"] == pytest.approx(1.0, abs=0.05)
