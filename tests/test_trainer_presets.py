@@ -253,6 +253,9 @@ def _zero3_on_cpu(out_dir: str, port: int) -> None:
     from specdistill.utils.frozen_sharding import is_deepspeed_engine
     from specdistill.utils.strategy import deepspeed_checkpoint_to_hf
 
+    # one process needs no shared-memory collectives: without this, init_distributed JIT-compiles DeepSpeed's C++
+    # shm op (65-140 s on two cores, longer under load), which is what made this test time out in CI
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (2, 8))
@@ -317,7 +320,11 @@ def test_zero3_frozen_engine_and_checkpoint_conversion_on_cpu(tmp_path: Path) ->
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    child = multiprocessing.get_context("spawn").Process(target=_zero3_on_cpu, args=(str(tmp_path), port))
+    child = multiprocessing.get_context("spawn").Process(
+        target=_zero3_on_cpu, args=(str(tmp_path), port), daemon=True
+    )
     child.start()
     child.join(timeout=240)
+    if child.exitcode is None:
+        child.kill()
     assert child.exitcode == 0, "the ZeRO-3 checks failed in the child process (see its output above)"
