@@ -194,3 +194,47 @@ def test_prompt_lookup_and_the_hybrid_offline_equal_decoded():
             _decoded(target, HybridProposer(proposer, draft), k), rel=1e-9
         )
     assert lookup_offline[4] > 1.0  # lookup was accepted somewhere: the comparison counted its blocks
+
+
+class _CountingKind(DraftKind):
+    """The causal-LM kind, counting its teacher-forced passes."""
+
+    passes = 0
+
+    def chain_candidates(self, *args, **kwargs):
+        type(self).passes += 1
+        return super().chain_candidates(*args, **kwargs)
+
+
+def test_the_evaluate_stage_runs_each_draft_once_per_sequence_for_its_row_and_its_hybrid_row():
+    """`offline_estimate` with `prompt_lookup.hybrid`: the draft's row and its hybrid row read one teacher-forced pass
+    per sequence, and both equal what the offline functions give on their own."""
+    from types import SimpleNamespace
+
+    from specdistill.drafts.base import LoadedDraft
+    from specdistill.stages.evaluate import offline_estimate
+
+    target, draft = tiny_pair("llama", V)
+    sequences = _sequences(target)
+    report = SimpleNamespace(
+        baseline=SimpleNamespace(
+            outputs=[{"tokens": s[len(p) :].tolist()} for p, s in zip(PROMPTS, sequences, strict=True)]
+        )
+    )
+    lookup = SimpleNamespace(min_ngram=1, max_ngram=3, hybrid=True)
+    settings = SimpleNamespace(fixed_lengths=list(LENGTHS), prompt_lookup=lookup, max_new_tokens=NEW)
+    prompts = [{"prompt_ids": p} for p in PROMPTS]
+    _CountingKind.passes = 0
+    table = offline_estimate(
+        report, prompts, target, {"d": LoadedDraft(_CountingKind(), draft)}, {}, settings, V
+    )
+    assert _CountingKind.passes == len(PROMPTS)
+    depth = max(LENGTHS)
+
+    def chain(s):
+        return DraftKind().chain_candidates(draft, None, _batch(s), depth, V)
+
+    assert table["d"] == _offline(chain, sequences)
+    assert table["d+prompt_lookup"] == _offline(
+        lambda s: hybrid_candidates(lookup_candidates(s, 1, 3, depth), chain(s)), sequences
+    )

@@ -149,12 +149,20 @@ def offline_estimate(
     device = next(target.parameters()).device
 
     def chain(draft: LoadedDraft) -> Callable[[torch.Tensor], torch.Tensor]:
+        # kept per sequence: the draft's own row and its hybrid row read the same chain, and a draft's teacher-forced
+        # pass is the expensive part (the `sequences` list keeps every tensor alive, so its id is a stable key)
+        kept: dict[int, torch.Tensor] = {}
+
         def candidates(seq: torch.Tensor) -> torch.Tensor:
-            batch = {
-                "input_ids": seq[None].to(device),
-                "attention_mask": torch.ones(1, seq.numel(), device=device),
-            }
-            return draft.kind.chain_candidates(draft.model, target, batch, depth, vocab_size).cpu()
+            if id(seq) not in kept:
+                batch = {
+                    "input_ids": seq[None].to(device),
+                    "attention_mask": torch.ones(1, seq.numel(), device=device),
+                }
+                kept[id(seq)] = draft.kind.chain_candidates(
+                    draft.model, target, batch, depth, vocab_size
+                ).cpu()
+            return kept[id(seq)]
 
         return candidates
 
