@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import inspect
 import re
 import sys
@@ -32,11 +33,13 @@ COMMAND = "python -m specdistill.config_reference"
 # Machine-specific files that .gitignore keeps out of the repository: listing them would make the reference differ
 # between checkouts.
 IGNORED = frozenset({"local/default.yaml"})
+# The C loader when PyYAML has it: the pure-Python one takes seconds over conf/'s files.
+YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 MAX_CELL = 90  # characters of a default value in a table; the yaml file holds the rest
 
 # The range checks that `__post_init__` expresses as data (the helpers of specdistill/stages/settings.py): each maps
-# the helper's bound arguments to a phrase. Checks written as plain `if` code are not read; their field docstrings
-# say the range in words.
+# the helper's bound arguments to a phrase. Checks written as plain `if` code are not read: their ranges appear only
+# where the field's docstring states them.
 RANGE_PHRASES = {
     "check_count": lambda a: f"integer ≥ {a['minimum']}" + (", or null" if a["optional"] else ""),
     "check_number": lambda a: (
@@ -75,6 +78,10 @@ def code(value: str) -> str:
     return f"`{value}`" if value else ""
 
 
+def load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=YAML_LOADER)
+
+
 def yaml_value(value: Any) -> str:
     """A value as one would write it in a yaml file or on the command line (flow style, one line)."""
     text = yaml.safe_dump([value], default_flow_style=True, width=10**9, sort_keys=False).strip()[1:-1]
@@ -84,6 +91,7 @@ def yaml_value(value: Any) -> str:
 # -- settings dataclasses -------------------------------------------------------------------------------------------
 
 
+@functools.cache  # inspect.getsource parses the class's whole module on each call
 def class_node(cls: type) -> ast.ClassDef | None:
     """The class statement of `cls`, parsed from its source (None for a class without source, e.g. `object`)."""
     try:
@@ -307,7 +315,7 @@ def group_options(conf: Path, group: str) -> list[tuple[str, str, str]]:
         if relative.as_posix() in IGNORED:
             continue
         text = path.read_text(encoding="utf-8")
-        loaded = yaml.safe_load(text)
+        loaded = load_yaml(text)
         target = loaded.get("_target_", "") if isinstance(loaded, Mapping) else ""
         option = relative.relative_to(group).with_suffix("").as_posix()
         rows.append((option, str(target), header_comment(text)))
@@ -343,9 +351,10 @@ def root_settings(text: str) -> list[tuple[str, str]]:
 def groups_section(conf: Path) -> list[str]:
     """The root config and every config group: options, the default train.yaml picks, summaries and targets."""
     text = (conf / "train.yaml").read_text(encoding="utf-8")
-    root = yaml.safe_load(text)
+    root = load_yaml(text)
     chosen = train_defaults(root)
     groups = sorted(path.name for path in conf.iterdir() if path.is_dir() and not path.name.startswith("_"))
+    options = {group: group_options(conf, group) for group in groups}
     lines = [
         "## Config groups",
         "",
@@ -364,18 +373,14 @@ def groups_section(conf: Path) -> list[str]:
         "",
         *table(
             ("Group", "Default", "Options"),
-            [
-                (code(group), code(chosen.get(group, "")), str(len(group_options(conf, group))))
-                for group in groups
-            ],
+            [(code(group), code(chosen.get(group, "")), str(len(options[group]))) for group in groups],
         ),
         "",
     ]
     for group in groups:
-        options = group_options(conf, group)
         lines += [f"### {group}", ""]
-        if options:
-            rows = [(code(option), code(target), summary) for option, target, summary in options]
+        if options[group]:
+            rows = [(code(option), code(target), summary) for option, target, summary in options[group]]
             lines += [*table(("Option", "`_target_`", "Description"), rows), ""]
         else:
             readme = conf / group / "README.md"
@@ -397,13 +402,13 @@ def render_reference(conf: Path, classes: Sequence[type]) -> str:
         f"Written by `{COMMAND}` from the stages' settings dataclasses and `conf/`; a test fails when this page "
         "differs from what the command writes. Each stage section lists the keys of `<stage>.<key>`: the type, "
         "the default of `conf/<stage>/default.yaml` (entries of its defaults list first, e.g. `optimizer/adamw`, "
-        "then the values it sets), the range the settings check through the shared `check_*` helpers (other checks "
-        "are stated in the description), and the field's docstring. A preset (`tuning`, `experiment`) may change "
-        "the defaults.",
+        "then the values it sets), the range the settings check through the shared `check_*` helpers (a check "
+        "written otherwise is not listed there; some descriptions state theirs), and the field's docstring. A "
+        "preset (`tuning`, `experiment`) may change the defaults.",
         "",
     ]
     for cls in classes:
-        values = yaml.safe_load((conf / cls.group / "default.yaml").read_text(encoding="utf-8"))
+        values = load_yaml((conf / cls.group / "default.yaml").read_text(encoding="utf-8"))
         lines += settings_section(cls, cls.group, values if isinstance(values, Mapping) else {})
     lines += groups_section(conf)
     return "\n".join(lines).rstrip("\n") + "\n"
