@@ -36,6 +36,11 @@ IGNORED = frozenset({"local/default.yaml"})
 # The C loader when PyYAML has it: the pure-Python one takes seconds over conf/'s files.
 YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 MAX_CELL = 90  # characters of a default value in a table; the yaml file holds the rest
+# The columns of a stage's settings table. docs/stylesheets/extra.css labels the cells by position (a Markdown table
+# cannot carry data-label attributes) when a phone's width stacks each row: keep the two in the same order.
+SETTINGS_COLUMNS = ("Key", "Type", "Default", "Range", "Description")
+# The class of the <div> around each settings table (md_in_html renders the Markdown inside; GitHub shows the table).
+SETTINGS_CLASS = "settings-table"
 
 # The range checks that `__post_init__` expresses as data (the helpers of specdistill/stages/settings.py): each maps
 # the helper's bound arguments to a phrase. Checks written as plain `if` code are not read: their ranges appear only
@@ -247,7 +252,8 @@ def settings_table(cls: type, values: Mapping[str, Any]) -> list[str]:
         for item in dataclasses.fields(cls)
         if item.init
     ]
-    return table(("Key", "Type", "Default", "Range", "Description"), rows)
+    # one block per field instead of a row too wide for a phone (docs/stylesheets/extra.css)
+    return [f'<div class="{SETTINGS_CLASS}" markdown>', "", *table(SETTINGS_COLUMNS, rows), "", "</div>"]
 
 
 def settings_section(cls: type, group: str, values: Mapping[str, Any]) -> list[str]:

@@ -76,6 +76,27 @@ def test_every_stage_and_every_yaml_option_of_conf_is_listed(reference):
     assert row(section(reference, "### task"), "arith")[1] == "`specdistill.tasks.arith.Arith`"
 
 
+def test_stage_tables_are_wrapped_for_the_phone_layout_and_its_labels_follow_the_columns(reference):
+    """Each settings table sits in a `settings-table` div (md_in_html), which docs/stylesheets/extra.css stacks
+    into one labelled block per field on a phone; the CSS labels cells by position, so they must name the columns
+    the generator writes, in its order."""
+    adaspec = section(reference, "## adaspec: `AdaSpecSettings`")
+    header = "| " + " | ".join(config_reference.SETTINGS_COLUMNS) + " |"
+    opening = f'<div class="{config_reference.SETTINGS_CLASS}" markdown>'
+    assert f"{opening}\n\n{header}\n" in adaspec and adaspec.rstrip().endswith("</div>")
+    assert reference.count(opening) == reference.count(header)  # every settings table, nested blocks included
+    css = (ROOT / "docs" / "stylesheets" / "extra.css").read_text(encoding="utf-8")
+    labels = dict(
+        re.findall(
+            rf'\.{config_reference.SETTINGS_CLASS}[^{{}}]*td:nth-child\((\d+)\)::before\s*\{{\s*content:\s*"([^"]+)"',
+            css,
+        )
+    )
+    assert labels, "extra.css labels no cell of the settings tables"
+    for position, label in labels.items():
+        assert config_reference.SETTINGS_COLUMNS[int(position) - 1] == label
+
+
 # A stage of its own, so the reader is checked on inputs this test controls.
 
 
