@@ -19,7 +19,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdistill.errors import ConfigError, InputFileError
 from specdistill.plan_checks import check_plan
-from specdistill.stages.settings import RolloutSettings, StageSettings, TrainingSettings, build_settings
+from specdistill.stages.settings import (
+    RolloutSettings,
+    StageSettings,
+    TargetAnswersSettings,
+    TrainingSettings,
+    build_settings,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +76,8 @@ def check_stage_settings(cfg: DictConfig, stage: str) -> None:
     settings = build_settings(cfg, stage)
     if isinstance(settings, RolloutSettings):
         check_ranks(cfg, stage, settings)
-        check_rollout_backend(cfg, stage, settings)
+    if isinstance(settings, RolloutSettings | TargetAnswersSettings):
+        check_vllm_backend(cfg, stage, settings)
     if isinstance(settings, TrainingSettings) and "trainer" in cfg:
         from specdistill.stages.build import trainer_config
 
@@ -98,22 +105,26 @@ def check_ranks(cfg: DictConfig, stage: str, settings: RolloutSettings | None = 
         )
 
 
-def check_rollout_backend(cfg: DictConfig, stage: str, settings: RolloutSettings | None = None) -> None:
-    """`vllm` loads a target from disk or the hub, with the vLLM of `<stage>.vllm_python`, before training starts
-    (the settings are built here when not given: their own checks come first)."""
+def check_vllm_backend(
+    cfg: DictConfig, stage: str, settings: RolloutSettings | TargetAnswersSettings | None = None
+) -> None:
+    """`<stage>.backend=vllm` (rollout, target_answers) loads a target from disk or the hub, as safetensors, with the
+    vLLM of `<stage>.vllm_python`, checked before training starts (the settings are built here when not given: their
+    own checks come first)."""
     if settings is None:
         settings = build_settings(cfg, stage)
     if settings.backend != "vllm":
         return
-    alone = str(cfg.stage.name) == stage  # in a pipeline an earlier step (sft) may export the target it loads
-    if alone and not OmegaConf.select(cfg, "models.target.pretrained_model_name_or_path"):
-        raise ConfigError(
-            f"{stage}.backend=vllm loads the target by hub id or directory, but models.target is built from a config "
-            "(random weights): set models.target.pretrained_model_name_or_path, or use rollout.backend=hf."
-        )
-    from specdistill.rollout.vllm_backend import vllm_python
+    from specdistill.rollout.vllm_backend import vllm_model, vllm_python
 
-    vllm_python(settings.vllm_python)  # vLLM is there before hours of training start
+    if str(cfg.stage.name) == stage:  # in a pipeline an earlier step (sft) may export the target it loads
+        vllm_model(
+            OmegaConf.select(cfg, "models.target.pretrained_model_name_or_path"),
+            OmegaConf.select(cfg, "models.target.gguf_file"),
+            stage,
+            "hf" if isinstance(settings, RolloutSettings) else "transformers",
+        )
+    vllm_python(settings.vllm_python, stage)  # vLLM is there before hours of training start
 
 
 def check_drafts_given(cfg: DictConfig) -> None:

@@ -229,10 +229,10 @@ def _rollout_config(*overrides: str):
 )
 def test_backend_settings_are_checked_before_anything_runs(overrides, message):
     from specdistill.errors import ConfigError
-    from specdistill.validation import check_rollout_backend
+    from specdistill.validation import check_vllm_backend
 
     with pytest.raises(ConfigError, match=message):
-        check_rollout_backend(_rollout_config(*overrides), "rollout")
+        check_vllm_backend(_rollout_config(*overrides), "rollout")
 
 
 def test_vllm_is_refused_on_the_ranks_of_a_running_process_group():

@@ -1,4 +1,5 @@
-"""Batched greedy generation with Hugging Face `generate`, for the task metric of a single model (the sft stage)."""
+"""Batched generation of a single model's answers: greedy with Hugging Face `generate` (the sft stage's task metric,
+target answers), or sampled with seeded rows (target answers at a serving temperature)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from specdistill.decoding.sampling import SamplingConfig
+from specdistill.rollout.generate import sample_responses
 
 
 @torch.inference_mode()
@@ -40,6 +44,31 @@ def greedy_texts(
             eos_token_id=tokenizer.eos_token_id,
         )
         texts.extend(tokenizer.batch_decode(out[:, width:], skip_special_tokens=True))
+    return texts
+
+
+def sampled_texts(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_ids: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    seeds: Sequence[int],
+    vocab_size: int,
+    batch_size: int = 16,
+    desc: str = "generate",
+) -> list[str]:
+    """Continuations of `prompt_ids` sampled under `sampling`, prompt i from its own generator seeded with `seeds[i]`
+    (`specdistill.rollout.generate.sample_responses`): an answer depends on its prompt and seed only, never on the
+    batch it was drawn in, so a relaunch draws it again. Decoded without special tokens, as `greedy_texts`."""
+    model.eval()
+    texts: list[str] = []
+    for start in tqdm(range(0, len(prompt_ids), batch_size), desc=desc, leave=False):
+        responses, _ = sample_responses(
+            model, prompt_ids[start : start + batch_size], sampling, max_new_tokens, tokenizer.eos_token_id,
+            tokenizer.pad_token_id, vocab_size, seeds=seeds[start : start + batch_size],
+        )  # fmt: skip
+        texts.extend(tokenizer.batch_decode(responses, skip_special_tokens=True))
     return texts
 
 

@@ -22,7 +22,8 @@ from typing import Any
 
 import datasets
 
-from specdistill.utils.atomic import TMP_MARK, atomic_directory, atomic_write_text
+from specdistill.utils.atomic import TMP_MARK, atomic_directory
+from specdistill.utils.records import differences_from_record
 
 SETTINGS_NAME = "rollout_config.json"
 SHARDS_DIR = "shards"
@@ -47,18 +48,12 @@ def prepare_out_dir(out_dir: str | Path, settings: dict[str, Any], write: bool =
         ValueError: if `out_dir` holds rollouts made with other settings (resuming would mix two datasets).
     """
     out_dir = Path(out_dir)
-    settings_path = out_dir / SETTINGS_NAME
-    if settings_path.is_file():
-        previous = json.loads(settings_path.read_text())
-        changed = sorted(k for k in settings.keys() | previous.keys() if settings.get(k) != previous.get(k))
-        if changed:
-            raise ValueError(
-                f"{out_dir} holds rollouts made with other settings (differing: {', '.join(changed)}). "
-                "Use a new output directory, or delete this one to start over."
-            )
-    elif write:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(settings_path, json.dumps(settings, indent=2, sort_keys=True) + "\n")
+    changed = differences_from_record(out_dir / SETTINGS_NAME, settings, write)
+    if changed:
+        raise ValueError(
+            f"{out_dir} holds rollouts made with other settings (differing: {', '.join(changed)}). "
+            "Use a new output directory, or delete this one to start over."
+        )
     shards = out_dir / SHARDS_DIR
     if write:
         shards.mkdir(exist_ok=True)

@@ -3,8 +3,9 @@
 This file imports only the standard library and vLLM, so it runs under any Python that has vLLM, including a separate
 environment (`rollout.vllm_python`): vLLM pins its own torch and transformers, which often cannot share an
 environment with training. REQUEST is the JSON that `specdistill.rollout.vllm_backend.generate_with_vllm` writes
-(`engine`: `vllm.LLM` arguments; `prompts`: token ids; `params`: one `vllm.SamplingParams` per prompt; `eos_ids`); OUT
-receives one response (token ids) per prompt, in order.
+(`engine`: `vllm.LLM` arguments; `prompts`: token ids; `params`: one `vllm.SamplingParams` per prompt; `eos_ids`; and
+optionally `chunks`: `{"size", "out"}` in prompt order, each chunk generated in turn and its responses written to its
+`out` as soon as it is done); OUT receives one response (token ids) per prompt, in order.
 """
 
 from __future__ import annotations
@@ -45,20 +46,37 @@ def main(request_path: str, out_path: str) -> None:
         **request["engine"],
     }
     llm = LLM(**engine)
-    outputs = llm.generate(
-        [{"prompt_token_ids": p} for p in request["prompts"]],
-        [SamplingParams(**params) for params in request["params"]],
-        use_tqdm=True,
-    )
-    responses = [
-        response_tokens(
-            o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason, request["eos_ids"]
+    prompts, params = request["prompts"], request["params"]
+    # one chunk of everything unless the request splits it (a chunk is done, and kept, before the next starts)
+    chunks = request.get("chunks") or [{"size": len(prompts), "out": None}]
+    responses: list[list[int]] = []
+    for chunk in chunks:
+        start, end = len(responses), len(responses) + int(chunk["size"])
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts[start:end]],
+            [SamplingParams(**p) for p in params[start:end]],
+            use_tqdm=True,
         )
-        for o in outputs
-    ]
-    partial = Path(out_path).with_suffix(".partial")
+        done = [
+            response_tokens(
+                o.outputs[0].token_ids,
+                o.outputs[0].finish_reason,
+                o.outputs[0].stop_reason,
+                request["eos_ids"],
+            )
+            for o in outputs
+        ]
+        if chunk["out"] is not None:
+            write_whole(chunk["out"], done)
+        responses += done
+    write_whole(out_path, responses)
+
+
+def write_whole(path: str, responses: list[list[int]]) -> None:
+    """Write `responses` as JSON to `path` through a sibling file: a killed run leaves no half-written file."""
+    partial = Path(path).with_suffix(".partial")
     partial.write_text(json.dumps(responses))
-    partial.replace(out_path)  # a killed run leaves no half-written responses behind
+    partial.replace(path)
 
 
 if __name__ == "__main__":  # vLLM starts its engine in spawned processes, which import this file again

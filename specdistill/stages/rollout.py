@@ -27,7 +27,7 @@ from specdistill.errors import ConfigError
 from specdistill.rollout.generate import row_seeds
 from specdistill.rollout.ranks import Ranks, launch_ranks
 from specdistill.rollout.run import run_rollouts
-from specdistill.rollout.vllm_backend import generate_with_vllm, vllm_request
+from specdistill.rollout.vllm_backend import generate_with_vllm, target_engine, vllm_model, vllm_request
 from specdistill.stages.build import (
     build_datamodule,
     load_frozen_target_and_drafts,
@@ -105,10 +105,9 @@ def _vllm_responses(
 ) -> list[list[int]]:
     """The target's responses from vLLM (or the ones an earlier launch of this run generated with the same request)."""
     spec = model_spec(cfg.models.target)
-    engine = {"revision": spec.revision, "trust_remote_code": spec.trust_remote_code}
-    engine.update(settings.vllm)  # resolved plain values, handed whole to vLLM
+    model = vllm_model(spec.pretrained_model_name_or_path, spec.gguf_file, "rollout", "hf")
     request = vllm_request(
-        spec.pretrained_model_name_or_path, prompts, sampling, settings.max_new_tokens, [eos_token_id],
-        row_seeds(cfg.seed, range(len(prompts))), engine,
+        model, prompts, sampling, settings.max_new_tokens, [eos_token_id],
+        row_seeds(cfg.seed, range(len(prompts))), target_engine(spec, settings.vllm),
     )  # fmt: skip
     return generate_with_vllm(request, out_dir / "rollouts" / "vllm", settings.vllm_python)

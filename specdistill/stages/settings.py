@@ -1,11 +1,11 @@
 """Typed settings of each stage: `conf/<stage>/default.yaml` names one of these dataclasses as its `_target_`.
 
 `build_settings(cfg, stage)` builds the stage's dataclass from `cfg.<stage>` with Hydra's `instantiate` (not
-recursively: the nested blocks `optimizer`, `scheduler`, `model`, `policies`, `trainer` and `vllm` stay plain dicts,
-built by the stage or merged by `stages/build.py::trainer_config` as before; interpolations are resolved). A key that
-no field reads is refused by construction, with a `ConfigError` naming the key and the stage; every range check of a
-setting lives in its dataclass's `__post_init__`, so train.py (`specdistill/validation.py`) and the stage itself
-refuse the same values with the same one-line message. Checks that span groups (models vs a stage, a pipeline's
+recursively: the nested blocks `optimizer`, `scheduler`, `model`, `policies`, `trainer`, `vllm` and `sampling` stay
+plain dicts, built by the stage or merged by `stages/build.py::trainer_config` as before; interpolations are
+resolved). A key that no field reads is refused by construction, with a `ConfigError` naming the key and the stage;
+every range check of a setting lives in its dataclass's `__post_init__`, so train.py (`specdistill/validation.py`) and
+the stage itself refuse the same values with the same one-line message. Checks that span groups (models vs a stage, a pipeline's
 steps) stay in `specdistill/validation.py`.
 
 The run fingerprint hashes the composed `cfg.<stage>` node minus its `_target_` (specdistill/utils/fingerprint.py),
@@ -20,7 +20,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
@@ -29,8 +29,12 @@ from omegaconf import DictConfig
 from specdistill.errors import ConfigError, UserError
 from specdistill.tasks.base import SPLITS
 
+if TYPE_CHECKING:
+    from specdistill.decoding.sampling import SamplingConfig
+
 T = TypeVar("T")
 ROLLOUT_BACKENDS = ("hf", "vllm")
+TARGET_ANSWERS_BACKENDS = ("transformers", "vllm")
 ONE_PROCESS_DEVICES = ("auto", "cuda", "cpu")  # device types: each process of several takes its own device
 
 
@@ -315,8 +319,8 @@ class AcceptanceHeadSettings(TrainingSettings):
 
 @dataclass(frozen=True, kw_only=True)
 class TargetAnswersSettings(StageSettings):
-    """The target's own greedy answers to the task's prompts, for the drafts to learn from (docs/METHODS.md
-    section 2)."""
+    """The target's own answers to the task's prompts (greedy, or sampled at the serving temperature), for the drafts
+    to learn from (docs/METHODS.md section 2)."""
 
     group: ClassVar[str] = "target_answers"
     splits: list[str]
@@ -331,6 +335,16 @@ class TargetAnswersSettings(StageSettings):
     """Prompt tokenisation, as in training (longer prompts keep their last tokens)."""
     device: str
     """auto (CUDA when available), cuda or cpu."""
+    sampling: dict[str, Any]
+    """How each answer token is chosen (conf/sampling/; greedy by default, or e.g. the serving temperature)."""
+    backend: str
+    """transformers: our models, in this process; vllm: vLLM generates (the target loaded by hub id or directory)."""
+    vllm: dict[str, Any]
+    """vllm.LLM arguments (backend=vllm), handed whole to vLLM."""
+    vllm_python: str | None
+    """backend=vllm: the Python of an environment with vLLM; null: this one."""
+    shard_size: int
+    """Prompts per shard, the unit of resumption (a multiple of batch_size keeps the unsharded batches)."""
 
     def __post_init__(self) -> None:
         where = self.group
@@ -340,8 +354,23 @@ class TargetAnswersSettings(StageSettings):
                 f"{where}.splits=[train,validation]."
             )
         check_count(where, "max_prompts", self.max_prompts, optional=True)
-        for key in ("max_new_tokens", "batch_size", "max_length"):
+        for key in ("max_new_tokens", "batch_size", "max_length", "shard_size"):
             check_count(where, key, getattr(self, key))
+        check_choice(where, "backend", self.backend, TARGET_ANSWERS_BACKENDS)
+        self.decoding()  # the sampling block's own checks
+
+    def decoding(self) -> SamplingConfig:
+        """`sampling` as the project's warping (its keys and ranges checked; errors name `target_answers.sampling`)."""
+        from specdistill.decoding.sampling import SamplingConfig  # torch: not imported to check a config
+
+        try:
+            return build_block(SamplingConfig, f"{self.group}.sampling", self.sampling)
+        except ConfigError:  # a key no field reads: build_block's message names it
+            raise
+        except ValueError as error:
+            raise ConfigError(
+                f"{self.group}.sampling: {error}; e.g. {self.group}.sampling.temperature=0.6."
+            ) from None
 
 
 @dataclass(frozen=True, kw_only=True)
