@@ -88,11 +88,8 @@ def main() -> int:
             "0"  # the engine in the worker's process: a quicker start
         )
         torch.set_num_threads(max(1, os.cpu_count() or 1))
-    answers = [
-        "stage=target_answers",
-        "target_answers.splits=[train]",
-        f"target_answers.max_prompts={args.prompts}",
-    ]
+    # the experiment's own composition (a pipeline's, which holds the target_answers step's settings), one split
+    answers = ["target_answers.splits=[train]", f"target_answers.max_prompts={args.prompts}"]
     cfg = compose_run([*args.config, *answers])
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(tmp) / "target"
