@@ -12,8 +12,6 @@ file exists only once all its answers do. Once every shard is there the stage co
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,11 +25,6 @@ SETTINGS_NAME = "settings.json"
 
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}"
-
-
-def digest(value: Any) -> str:
-    """sha256 of `value` as canonical JSON: a fingerprint of the prompts or the models in the settings record."""
-    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def open_split(folder: str | Path, settings: Mapping[str, Any], num_shards: int) -> list[int]:

@@ -31,6 +31,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from specdistill.caches.digest import json_digest
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.evaluation.generation import greedy_texts, sampled_texts
 from specdistill.rollout.vllm_backend import generate_with_vllm, target_engine, vllm_model, vllm_request
@@ -112,7 +113,7 @@ def split_record(
     sampled = not sampling.is_greedy
     return {
         "format_version": 1,
-        "prompts_sha256": answer_shards.digest(list(prompts.items())),
+        "prompts_sha256": json_digest(list(prompts.items())),
         "num_prompts": len(prompts),
         "shard_size": settings.shard_size,
         "max_new_tokens": settings.max_new_tokens,
@@ -122,7 +123,7 @@ def split_record(
         # padding can move a float32 greedy argmax: batches count for our generate, vLLM batches by itself
         "batch_size": settings.batch_size if settings.backend == "transformers" else None,
         "vllm": settings.vllm if settings.backend == "vllm" else None,
-        "models_sha256": answer_shards.digest(OmegaConf.to_container(cfg.models, resolve=True)),
+        "models_sha256": json_digest(OmegaConf.to_container(cfg.models, resolve=True)),
     }
 
 
