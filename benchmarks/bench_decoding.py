@@ -64,10 +64,10 @@ from specdistill.decoding.policies import (
     HeuristicSchedule,
     Oracle,
 )
-from specdistill.decoding.proposers import PromptLookupProposer
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.decoding.stats import DecodingStats
 from specdistill.decoding.toy import tiny_gpt_neox
+from specdistill.drafts.prompt_lookup.proposer import PromptLookupProposer
 
 VOCAB = 512
 GREEDY = SamplingConfig(greedy=True)

@@ -33,7 +33,7 @@ from transformers import DynamicCache
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from specdistill.models.eagle3 import Eagle3Cache  # noqa: E402
+from specdistill.drafts.eagle3.model import Eagle3Cache  # noqa: E402
 
 
 def compose_run(overrides: list[str]):

@@ -120,7 +120,7 @@ def our_rates(target, draft_dir: Path, prompts, new_tokens: int, k: int, vocab: 
 def vllm_method(draft_dir: Path) -> str:
     """vLLM's speculative method for an export: `eagle3` for an EAGLE-3 head, `draft_model` for a causal LM."""
     from specdistill.drafts import exported_kind
-    from specdistill.drafts.eagle3 import Eagle3
+    from specdistill.drafts.eagle3.kind import Eagle3
 
     return "eagle3" if isinstance(exported_kind(draft_dir), Eagle3) else "draft_model"
 

@@ -16,7 +16,7 @@ from omegaconf import open_dict
 
 from specdistill.diagnostics import paper_direction, position_diagnostics, summarise_positions
 from specdistill.diagnostics.positions import concatenate
-from specdistill.drafts.eagle3 import Eagle3
+from specdistill.drafts.eagle3.kind import Eagle3
 from specdistill.errors import ConfigError
 from specdistill.export.hf import export_pretrained
 from specdistill.losses.divergence import forward_kl

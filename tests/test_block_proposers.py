@@ -18,11 +18,11 @@ from specdistill.decoding.proposers import (
     BlockRequest,
     DraftBlock,
     DraftLMProposer,
-    HybridProposer,
 )
-from specdistill.decoding.proposers.prompt_lookup import PromptLookupProposer, lookup_continuation
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.decoding.toy import toy_pair
+from specdistill.drafts.prompt_lookup.hybrid import HybridProposer
+from specdistill.drafts.prompt_lookup.proposer import PromptLookupProposer, lookup_continuation
 from specdistill.models.acceptance_head import AcceptanceHead
 from tests.lossless import exact_two_token_distribution, matches_two_token_distribution
 from tests.test_architectures import PROMPT, tiny_pair

@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from specdistill.data.arith_tokenizer import arith_tokenizer
 from specdistill.drafts import KIND_FILE, Standalone, exported_kind, load_draft, target_pass
-from specdistill.drafts.cut_layers import CutLayers
+from specdistill.drafts.cut_layers.kind import CutLayers
 from specdistill.errors import ConfigError, InputFileError
 from specdistill.export.hf import export_pretrained
 from specdistill.losses import ForwardKL

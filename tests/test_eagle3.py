@@ -9,9 +9,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from specdistill.decoding.engine import SpeculativeDecoder, autoregressive
 from specdistill.decoding.policies import FixedLength
-from specdistill.decoding.proposers import Eagle3Proposer
 from specdistill.decoding.sampling import SamplingConfig
-from specdistill.models.eagle3 import (
+from specdistill.drafts.eagle3.model import (
     Eagle3Cache,
     Eagle3Head,
     answer_token_counts,
@@ -19,6 +18,7 @@ from specdistill.models.eagle3 import (
     draft_vocabulary,
     eagle3_config_for,
 )
+from specdistill.drafts.eagle3.proposer import Eagle3Proposer
 from tests.architectures import ARCHITECTURES
 from tests.lossless import exact_two_token_distribution, matches_two_token_distribution, two_token_counts
 from tests.test_engine import GREEDY, _all_policies

@@ -21,11 +21,11 @@ from safetensors.torch import load_file, save_file
 from specdistill.data.arith_tokenizer import arith_tokenizer
 from specdistill.decoding.engine import SpeculativeDecoder, autoregressive
 from specdistill.decoding.policies import FixedLength
-from specdistill.decoding.proposers import Eagle3Proposer
 from specdistill.drafts import KIND_FILE, load_draft
-from specdistill.drafts.eagle3 import Eagle3
+from specdistill.drafts.eagle3.kind import Eagle3
+from specdistill.drafts.eagle3.model import Eagle3Config, Eagle3Head
+from specdistill.drafts.eagle3.proposer import Eagle3Proposer
 from specdistill.errors import ConfigError, InputFileError
-from specdistill.models.eagle3 import Eagle3Config, Eagle3Head
 from specdistill.models.loading import ModelSpec
 from tests.test_eagle3 import tiny_target
 from tests.test_eagle3_kind import _Data

@@ -13,9 +13,9 @@ import torch
 
 from specdistill.decoding.engine import SpeculativeDecoder, autoregressive
 from specdistill.decoding.head_policy import AcceptanceHeadPolicy
-from specdistill.decoding.proposers import Eagle3Proposer
 from specdistill.decoding.sampling import SamplingConfig
-from specdistill.drafts.eagle3 import Eagle3
+from specdistill.drafts.eagle3.kind import Eagle3
+from specdistill.drafts.eagle3.proposer import Eagle3Proposer
 from specdistill.head_data import HiddenCache, RolloutDataModule
 from specdistill.head_data.inputs import judged_head_inputs
 from specdistill.models.acceptance_head import AcceptanceHead

@@ -17,9 +17,9 @@ from torch.utils.data import DataLoader
 from specdistill.data.arith_tokenizer import arith_tokenizer
 from specdistill.decoding.engine import SpeculativeDecoder, autoregressive
 from specdistill.decoding.policies import FixedLength
-from specdistill.decoding.proposers import Eagle3Proposer
 from specdistill.drafts import KIND_FILE, load_draft, target_pass
-from specdistill.drafts.eagle3 import Eagle3
+from specdistill.drafts.eagle3.kind import Eagle3
+from specdistill.drafts.eagle3.proposer import Eagle3Proposer
 from specdistill.errors import ConfigError
 from specdistill.losses import ForwardKL
 from specdistill.losses.answers import answer_mask

@@ -1,4 +1,4 @@
-"""Our EAGLE-3 head in vLLM's `speculators` format (`specdistill.export.speculators`).
+"""Our EAGLE-3 head in vLLM's `speculators` format (`specdistill.drafts.eagle3.export`).
 
 Without speculators: the export's keys, shapes and config fields are the ones speculators 0.9.0 reads (checked by hand
 against its code, cited at each constant). With it (its own environment, `bash tests/speculators_env.sh`, since it
@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdistill.data.arith_tokenizer import arith_tokenizer
-from specdistill.export.speculators import export_speculators, verifier_of
-from specdistill.models.eagle3 import DraftVocabulary, Eagle3Cache, Eagle3Head
+from specdistill.drafts.eagle3.export import export_speculators, verifier_of
+from specdistill.drafts.eagle3.model import DraftVocabulary, Eagle3Cache, Eagle3Head
 from tests.helpers import ROOT
 from tests.test_eagle3 import AUX, DRAFT_V, V, fused_states, tiny_head, tiny_target
 from tests.threads import one_thread_per_module  # noqa: F401  (autouse fixture)

@@ -19,11 +19,11 @@ from specdistill.decoding.policies import FixedLength
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.decoding.stats import DecodingStats
 from specdistill.drafts import target_pass
-from specdistill.drafts.eagle3 import Eagle3
+from specdistill.drafts.eagle3.kind import Eagle3
+from specdistill.drafts.eagle3.model import answer_token_counts, draft_vocabulary
 from specdistill.losses import ForwardKL
 from specdistill.losses.answers import answer_mask
 from specdistill.losses.reduction import reduce_tokens
-from specdistill.models.eagle3 import answer_token_counts, draft_vocabulary
 from tests.test_vllm_backend import ENGINE, VLLM_PYTHON, needs_vllm
 
 pytestmark = pytest.mark.slow

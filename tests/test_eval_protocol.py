@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from specdistill.decoding.policies import HeuristicSchedule, Oracle
-from specdistill.decoding.proposers.prompt_lookup import PromptLookupProposer
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.decoding.stats import DecodingStats
 from specdistill.decoding.toy import toy_pair
+from specdistill.drafts.prompt_lookup.proposer import PromptLookupProposer
 from specdistill.evaluation import protocol
 from specdistill.evaluation.protocol import EvalProtocol, evaluate_drafts, format_ratios, policy_ratios
 from specdistill.evaluation.report import Report, ReportEntry

@@ -16,8 +16,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from specdistill.data.arith_tokenizer import arith_tokenizer
 from specdistill.drafts import KIND_FILE, DraftKind, Standalone, exported_kind, load_draft, register_kind
-from specdistill.drafts.cut_layers import CutLayers
-from specdistill.drafts.eagle3 import Eagle3
+from specdistill.drafts.cut_layers.kind import CutLayers
+from specdistill.drafts.eagle3.kind import Eagle3
 from specdistill.drafts.registry import ENTRY_POINT_GROUP, is_plain, kind_class, kind_names
 from specdistill.errors import ConfigError, InputFileError
 from specdistill.export.hf import export_pretrained

@@ -10,10 +10,11 @@ import torch
 
 from specdistill.decoding.engine import SpeculativeDecoder, autoregressive
 from specdistill.decoding.policies import FixedLength
-from specdistill.decoding.proposers import Eagle3Proposer, HybridProposer
-from specdistill.decoding.proposers.prompt_lookup import PromptLookupProposer
 from specdistill.drafts.base import NO_CANDIDATE, DraftKind
-from specdistill.drafts.eagle3 import Eagle3, TargetVocabularyHead
+from specdistill.drafts.eagle3.kind import Eagle3, TargetVocabularyHead
+from specdistill.drafts.eagle3.proposer import Eagle3Proposer
+from specdistill.drafts.prompt_lookup.hybrid import HybridProposer
+from specdistill.drafts.prompt_lookup.proposer import PromptLookupProposer
 from specdistill.evaluation.offline import (
     accepted_runs,
     fixed_length_calls,

@@ -11,10 +11,10 @@ import torch
 
 from specdistill.decoding.engine import SpeculativeDecoder, autoregressive
 from specdistill.decoding.policies import FixedLength
-from specdistill.decoding.proposers.prompt_lookup import PromptLookupProposer
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.decoding.stats import DecodingStats
-from specdistill.export.ngram import write_ngram_config
+from specdistill.drafts.prompt_lookup.export import write_ngram_config
+from specdistill.drafts.prompt_lookup.proposer import PromptLookupProposer
 from tests.test_eagle3_vllm import serve_with_vllm, vllm_llama
 from tests.test_vllm_backend import needs_vllm
 

@@ -14,7 +14,7 @@ from specdistill.data.arith_tokenizer import arith_tokenizer
 from specdistill.data.datamodule import TaskDataModule
 from specdistill.data.target_states import KEY_FILE, CacheOnceTargetStates, states_bytes
 from specdistill.drafts import target_pass
-from specdistill.drafts.eagle3 import Eagle3
+from specdistill.drafts.eagle3.kind import Eagle3
 from specdistill.errors import ConfigError
 from specdistill.losses.answers import answer_mask
 from specdistill.tasks.arith import Arith

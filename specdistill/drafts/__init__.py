@@ -24,7 +24,7 @@ from specdistill.drafts.base import (
     target_pass,
 )
 from specdistill.drafts.registry import kind_from_record, known_kinds, register_kind
-from specdistill.drafts.standalone import Standalone
+from specdistill.drafts.standalone.kind import Standalone
 from specdistill.errors import InputFileError
 from specdistill.models.loading import ModelSpec
 

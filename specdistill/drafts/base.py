@@ -1,9 +1,9 @@
 """What every draft kind provides: `DraftKind`, the target pass it reads (`TargetPass`) and a loaded draft.
 
-A draft kind is one way of making a draft for speculative decoding: a standalone causal LM (`standalone.py`), a
-draft cut from the target's own first layers (`cut_layers.py`), and later kinds that read the target's hidden
+A draft kind is one way of making a draft for speculative decoding: a standalone causal LM (`standalone/`), a
+draft cut from the target's own first layers (`cut_layers/`), and later kinds that read the target's hidden
 states. One object per kind is built by Hydra from `conf/draft/<kind>.yaml` (`cfg.draft`); the stages only call
-its methods, so a new kind is one new module and one config file.
+its methods, so a new kind is one new folder (`specdistill/drafts/<kind>/`) and one config file.
 
 An export records its kind in `draft_kind.json` (`KIND_FILE`): `record()`, the kind's registry name and its settings as
 plain values. `specdistill.drafts.load_draft` looks the name up in `specdistill.drafts.registry` (never importing or
@@ -131,7 +131,7 @@ class DraftKind:
     """One kind of draft: how it is built, trained against the target, exported, loaded and decoded with.
 
     A kind implements `build`. The other methods default to what a draft that is a standalone causal LM once built
-    does (`standalone.py`, `cut_layers.py`): its rows are its own answer rows, it exports and loads as a Hugging Face
+    does (`standalone/`, `cut_layers/`): its rows are its own answer rows, it exports and loads as a Hugging Face
     model and the engine drafts with the model itself. A kind whose draft is something else (a head reading the
     target's hidden states: it sets `target_layers`) overrides them. A kind's constructor arguments are its settings
     (`conf/draft/<kind>.yaml`); `settings()` returns those that an export needs to be loaded again.

@@ -35,16 +35,20 @@ _registered: dict[str, type[DraftKind]] = {}
 def builtin_kinds() -> dict[str, type[DraftKind]]:
     """specdistill's own kinds by registry name (the names of `conf/draft/<name>.yaml`)."""
     # imported here: the kinds' modules import specdistill.drafts.base, whose package imports this module
-    from specdistill.drafts.cut_layers import CutLayers
-    from specdistill.drafts.eagle3 import Eagle3
-    from specdistill.drafts.standalone import Standalone
+    from specdistill.drafts.cut_layers.kind import CutLayers
+    from specdistill.drafts.eagle3.kind import Eagle3
+    from specdistill.drafts.standalone.kind import Standalone
 
     return {"standalone": Standalone, "cut_layers": CutLayers, "eagle3": Eagle3}
 
 
-def legacy_targets() -> dict[str, str]:
-    """Registry name of each own kind by the `_target_` that older records wrote (its class path)."""
-    return {f"{cls.__module__}.{cls.__qualname__}": name for name, cls in builtin_kinds().items()}
+# Registry name of each own kind by the `_target_` that older records wrote: the class paths of that time, fixed
+# strings (the classes have moved since; a record's string is compared with these, never imported).
+LEGACY_TARGETS = {
+    "specdistill.drafts.standalone.Standalone": "standalone",
+    "specdistill.drafts.cut_layers.CutLayers": "cut_layers",
+    "specdistill.drafts.eagle3.Eagle3": "eagle3",
+}
 
 
 def register_kind(name: str, cls: type[DraftKind]) -> None:
@@ -127,7 +131,7 @@ def _split_record(record: Any, where: Path) -> tuple[str, dict[str, Any]]:
         )
     if "_target_" in record:
         target = record["_target_"]
-        name = legacy_targets().get(target) if isinstance(target, str) else None
+        name = LEGACY_TARGETS.get(target) if isinstance(target, str) else None
         if name is None:
             raise InputFileError(
                 f"{where} names the callable {_shown(target)}, which is not one of specdistill's draft kinds "

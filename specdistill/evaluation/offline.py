@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from specdistill.decoding.cost import tokens_per_cost
-from specdistill.decoding.proposers.prompt_lookup import lookup_continuation
 from specdistill.drafts.base import NO_CANDIDATE
+from specdistill.drafts.prompt_lookup.proposer import lookup_continuation
 from specdistill.evaluation.report import Report
 
 

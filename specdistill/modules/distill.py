@@ -20,7 +20,7 @@ from torch import nn
 from specdistill.caches import FitStart, prepare_caches
 from specdistill.data.target_cache import CachedTarget
 from specdistill.drafts.base import DraftKind, TargetPass, TrainingRows, target_pass
-from specdistill.drafts.standalone import Standalone
+from specdistill.drafts.standalone.kind import Standalone
 from specdistill.losses.answers import answer_mask
 from specdistill.losses.chunked import rowwise
 from specdistill.losses.divergence import Divergence, expected_acceptance, forward_kl

@@ -3,7 +3,7 @@
 Loads the models, the prompts and the heads, then `specdistill.evaluation.protocol.evaluate_drafts` chooses the best
 fixed K (and the head's h) per draft on the selection split (validation, never test) and decodes the test prompts
 with everything, prompt lookup beside the drafts (`evaluate.prompt_lookup`). Writes `report.json`, `outputs.jsonl`,
-the plots, `report.txt` (the console table) and prompt lookup's vLLM settings (`specdistill/export/ngram.py`).
+the plots, `report.txt` (the console table) and prompt lookup's vLLM settings (`specdistill/drafts/prompt_lookup/export.py`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ from omegaconf import DictConfig
 from torch import nn
 
 from specdistill.decoding.cost import measure_verification_cost, relative_cost
-from specdistill.decoding.proposers import HybridProposer, PromptLookupProposer
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.drafts.base import LoadedDraft
+from specdistill.drafts.prompt_lookup.export import write_ngram_config
+from specdistill.drafts.prompt_lookup.hybrid import HybridProposer
+from specdistill.drafts.prompt_lookup.proposer import PromptLookupProposer
 from specdistill.evaluation.offline import (
     decoded_fixed_lengths,
     decoded_sequences,
@@ -33,7 +35,6 @@ from specdistill.evaluation.offline import (
 )
 from specdistill.evaluation.protocol import EvalProtocol, evaluate_drafts
 from specdistill.evaluation.report import Report, summary_metrics
-from specdistill.export.ngram import write_ngram_config
 from specdistill.models.acceptance_head import AcceptanceHead
 from specdistill.stages.build import (
     build_datamodule,

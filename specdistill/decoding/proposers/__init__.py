@@ -1,4 +1,5 @@
-"""Proposers: what drafts the speculative-decoding engine's candidates (`base.py` states the contract)."""
+"""Proposers: what drafts the speculative-decoding engine's candidates (`base.py` states the contract); the
+adapters every kind shares are here, each kind's own proposer in its folder (`specdistill.drafts.<kind>`)."""
 
 from specdistill.decoding.proposers.base import (
     BlockProposer,
@@ -12,9 +13,6 @@ from specdistill.decoding.proposers.base import (
 )
 from specdistill.decoding.proposers.chain import ChainProposer
 from specdistill.decoding.proposers.draft_lm import DraftLMProposer
-from specdistill.decoding.proposers.eagle3 import Eagle3Proposer
-from specdistill.decoding.proposers.hybrid import HybridProposer
-from specdistill.decoding.proposers.prompt_lookup import PromptLookupProposer
 
 __all__ = [
     "BlockProposer",
@@ -24,9 +22,6 @@ __all__ = [
     "DraftLMProposer",
     "Drafter",
     "DraftProposal",
-    "Eagle3Proposer",
-    "HybridProposer",
-    "PromptLookupProposer",
     "Proposer",
     "TargetHidden",
     "WrappingProposer",

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from specdistill.drafts.base import DraftKind
-from specdistill.drafts.standalone import Standalone
+from specdistill.drafts.standalone.kind import Standalone
 from specdistill.errors import ConfigError
 from specdistill.models.loading import ModelSpec
 

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from specdistill.drafts.eagle3.model import Eagle3Config, Eagle3Head
 from specdistill.export.hf import umask_modes
-from specdistill.models.eagle3 import Eagle3Config, Eagle3Head
 
 SPECULATORS_VERSION = (
     "0.9.0"  # the release whose layout this writes (tests/test_eagle3_speculators.py loads it)

@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft kind: a head on the frozen target's hidden states (`specdistill.models.eagle3`).
+"""The EAGLE-3 draft kind: a head on the frozen target's hidden states (`specdistill.drafts.eagle3.model`).
 
 `python train.py stage=distill draft=eagle3` trains an `Eagle3Head` through `DistillModule`:
 
@@ -14,7 +14,7 @@
 - `export`: the layout vLLM and SGLang load (`config.json` with `architectures: ["LlamaForCausalLMEagle3"]`,
   `model.safetensors` with `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`, no embeddings), the tokenizer,
   `specdistill.json` and `draft_kind.json`; and in `speculators/` the same head in vLLM's `speculators` format
-  (`Eagle3Speculator`, `specdistill.export.speculators`), naming the target it was built on as its verifier.
+  (`Eagle3Speculator`, `specdistill.drafts.eagle3.export`), naming the target it was built on as its verifier.
 - `load`: needs the loaded target (`load_draft(..., target=...)`, which evaluate, rollout and acceptance_head
   pass), whose input embeddings the head attaches, and refuses in one line a target the head does not fit (another
   hidden size or vocabulary, too few layers for its `aux_layer_ids`); `proposer`: an `Eagle3Proposer`.
@@ -26,7 +26,7 @@
   target's states, the state after the final norm and the logits on target ids (`-inf` outside the draft vocabulary).
 
 Index convention: `aux_layer_ids` are indices into the target's `output_hidden_states` (the state entering decoder
-layer `i`), the same numbers as vLLM's `eagle_aux_hidden_state_layer_ids` (see `specdistill.models.eagle3`).
+layer `i`), the same numbers as vLLM's `eagle_aux_hidden_state_layer_ids` (see `specdistill.drafts.eagle3.model`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from specdistill.decoding.proposers.eagle3 import Eagle3Proposer
 from specdistill.drafts.base import (
     NO_CANDIDATE,
     DraftKind,
@@ -52,24 +51,27 @@ from specdistill.drafts.base import (
     TrainingRows,
     target_states,
 )
-from specdistill.drafts.eagle3_foreign import WEIGHTS_FILE, one_line, read_foreign_head
-from specdistill.errors import ConfigError, InputFileError
-from specdistill.export.hf import umask_modes
-from specdistill.export.speculators import export_speculators, verifier_of
-from specdistill.losses.rows import GatheredLogitRows, HiddenRows
-from specdistill.models.eagle3 import (
+from specdistill.drafts.eagle3.export import export_speculators, verifier_of
+from specdistill.drafts.eagle3.foreign import WEIGHTS_FILE, one_line, read_foreign_head
+from specdistill.drafts.eagle3.model import (
     Eagle3Config,
     Eagle3Head,
     answer_token_counts,
     draft_vocabulary,
     eagle3_config_for,
 )
+from specdistill.drafts.eagle3.proposer import Eagle3Proposer
+from specdistill.errors import ConfigError, InputFileError
+from specdistill.export.hf import umask_modes
+from specdistill.losses.rows import GatheredLogitRows, HiddenRows
 from specdistill.models.loading import ModelSpec
 
 log = logging.getLogger(__name__)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
-SPECULATORS_DIR = "speculators"  # the same head in vLLM's speculators format (specdistill.export.speculators)
+SPECULATORS_DIR = (
+    "speculators"  # the same head in vLLM's speculators format (specdistill.drafts.eagle3.export)
+)
 
 
 class ProjectedHead:

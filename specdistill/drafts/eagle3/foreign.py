@@ -21,10 +21,10 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers.activations import ACT2FN
 
+from specdistill.drafts.eagle3 import export as speculators
+from specdistill.drafts.eagle3.export import our_key
+from specdistill.drafts.eagle3.model import Eagle3Config, Eagle3Head, default_aux_layer_ids
 from specdistill.errors import ConfigError, InputFileError
-from specdistill.export import speculators
-from specdistill.export.speculators import our_key
-from specdistill.models.eagle3 import Eagle3Config, Eagle3Head, default_aux_layer_ids
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """An EAGLE-3 head as the proposer: it drafts from the target's hidden states of the verified prefix.
 
 EAGLE position `t` reads the target's fused states of sequence position `t` and the token `t + 1`, and scores
-position `t + 2` (`specdistill.models.eagle3`). After each verification (`observe_target`) the proposer holds the
+position `t + 2` (`specdistill.drafts.eagle3.model`). After each verification (`observe_target`) the proposer holds the
 target's states of every kept position `0 .. F - 1` (`F` = the target's verified length, at most `n - 1`); its next
 `propose` runs the head on the real states of the positions not yet cached, then continues the draft chain on its
 own outputs (pre-norm, bypassing `fc`) up to position `n - 2`, whose logits score the first candidate. Chain
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from specdistill.decoding.proposers.base import DraftProposal, Proposer, TargetHidden, check_vocab_size
-from specdistill.models.eagle3 import Eagle3Cache, Eagle3Head, Eagle3Output
+from specdistill.drafts.eagle3.model import Eagle3Cache, Eagle3Head, Eagle3Output
 
 
 class Eagle3Proposer(Proposer):

@@ -21,7 +21,7 @@ from specdistill.decoding.proposers.base import (
 )
 from specdistill.decoding.proposers.chain import ChainProposer
 from specdistill.decoding.proposers.draft_lm import DraftLMProposer
-from specdistill.decoding.proposers.prompt_lookup import PromptLookupProposer
+from specdistill.drafts.prompt_lookup.proposer import PromptLookupProposer
 
 
 class HybridProposer(WrappingProposer):
