@@ -56,11 +56,8 @@ from specdistill.decoding.sampling import SamplingConfig  # noqa: E402
 from specdistill.evaluation.protocol import EvalProtocol, EvaluationResult, evaluate_drafts  # noqa: E402
 from specdistill.evaluation.report import BASELINE_NAME  # noqa: E402
 from specdistill.models.acceptance_head import AcceptanceHead  # noqa: E402
-from specdistill.stages.build import (  # noqa: E402
-    build_datamodule,
-    load_frozen_target_and_drafts,
-    named_drafts,
-)
+from specdistill.stages.datamodules import build_datamodule  # noqa: E402
+from specdistill.stages.model_loading import load_frozen_target_and_drafts, named_drafts  # noqa: E402
 
 # draft name (as in the pipeline's evaluate.drafts) -> the stage directory holding its export
 DRAFT_STAGES = {"distillspec": "distill", "adaspec": "adaspec"}

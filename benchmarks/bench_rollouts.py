@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.rollout.generate import label_responses, left_pad, row_seeds, sample_responses
-from specdistill.stages.build import build_datamodule, load_frozen_target_and_drafts, model_spec
+from specdistill.stages.datamodules import build_datamodule
+from specdistill.stages.model_loading import load_frozen_target_and_drafts, model_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -37,7 +37,8 @@ from specdistill.losses.rows import answer_rows
 from specdistill.modules import DistillModule
 from specdistill.selection.reference import CachedReferenceScores, OnlineReference, cached_reference_scores
 from specdistill.selection.selectors import AdaSpecSelector
-from specdistill.stages.build import build_datamodule, load_models, model_spec
+from specdistill.stages.datamodules import build_datamodule
+from specdistill.stages.model_loading import load_models, model_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -53,7 +53,7 @@ from specdistill.losses.rows import LogitRows
 from specdistill.modules import DistillModule
 from specdistill.selection.reference import CachedReferenceScores, OnlineReference, cached_reference_scores
 from specdistill.selection.selectors import AdaSpecSelector
-from specdistill.stages.build import build_datamodule
+from specdistill.stages.datamodules import build_datamodule
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("full", "chunked", "cached")

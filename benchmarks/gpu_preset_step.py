@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import open_dict  # noqa: E402
 
-import specdistill.stages.build as build  # noqa: E402
+import specdistill.stages.trainer as stage_trainer  # noqa: E402
 from specdistill.models.frozen import Frozen  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,7 +153,7 @@ def main() -> None:
         cfg.logger = None
 
     records: list[dict] = []
-    build_trainer = build.build_trainer
+    build_trainer = stage_trainer.build_trainer
 
     def probed(cfg_, stage, out_dir, trainer_cfg, callbacks=None, select_best=None):
         probe = StepProbe(stage, args.warmup, peak, records)

@@ -89,7 +89,7 @@ def pair_and_prompts(cfg, count: int):
     from specdistill.models import load_model
     from specdistill.models.loading import freeze
     from specdistill.models.tokenizer import ensure_pad_token
-    from specdistill.stages.build import build_datamodule
+    from specdistill.stages.datamodules import build_datamodule
 
     tokenizer = ensure_pad_token(instantiate(cfg.models.tokenizer))
     target = freeze(load_model(instantiate(cfg.models.target)))

@@ -38,7 +38,7 @@ def check_init_kind(cfg: DictConfig, stage: str) -> None:
     """`<stage>.init`, an earlier export, holds a draft of the kind this run trains, and that kind can continue it."""
     from specdistill.drafts import exported_kind
     from specdistill.drafts.registry import kind_name
-    from specdistill.stages.build import draft_kind
+    from specdistill.stages.model_loading import draft_kind
 
     init = cfg[stage].get("init")
     if not init:
@@ -57,7 +57,7 @@ def check_init_kind(cfg: DictConfig, stage: str) -> None:
 
 def check_sequential_phases(cfg: DictConfig) -> None:
     """Each phase of `stage=sequential` as `sequential.run` will compose it, checked before phase 1 trains."""
-    from specdistill.stages.build import draft_kind
+    from specdistill.stages.model_loading import draft_kind
     from specdistill.stages.sequential import METHOD_STEPS, phase_config
     from specdistill.stages.settings import SequentialSettings, build_settings
     from specdistill.validation import check_stage_settings, running_stages
@@ -87,8 +87,8 @@ def check_self_reference_steps(cfg: DictConfig, where: str = "") -> None:
     """The selector's settings (built once, as the adaspec stage builds it), then a self-reference selector's first
     scoring step against the adaspec stage's `max_steps`, where capped."""
     from specdistill.stages.adaspec import compute_matched, is_self_referencing
-    from specdistill.stages.build import trainer_config
     from specdistill.stages.settings import build_settings
+    from specdistill.stages.trainer import trainer_config
 
     settings = build_settings(cfg, "adaspec")
     try:  # every selector range check, before the pipeline's earlier steps train

@@ -79,7 +79,7 @@ def check_stage_settings(cfg: DictConfig, stage: str) -> None:
     if isinstance(settings, RolloutSettings | TargetAnswersSettings):
         check_vllm_backend(cfg, stage, settings)
     if isinstance(settings, TrainingSettings) and "trainer" in cfg:
-        from specdistill.stages.build import trainer_config
+        from specdistill.stages.trainer import trainer_config
 
         trainer = trainer_config(cfg, stage)
         for key in ("max_steps", "max_epochs"):
@@ -175,7 +175,7 @@ def check_reference_given(cfg: DictConfig) -> None:
 def _adaspec_reference_source(cfg: DictConfig) -> str | None:
     """Where the adaspec stage's reference divergence comes from (`specdistill.stages.adaspec.reference_source`)."""
     from specdistill.stages.adaspec import is_self_referencing, reference_source
-    from specdistill.stages.build import draft_kind
+    from specdistill.stages.model_loading import draft_kind
 
     if cfg.get("selector") is None:
         return None
@@ -201,7 +201,7 @@ def check_target_states(cfg: DictConfig) -> None:
     for stage in ("distill", "adaspec"):
         if stage not in running_stages(cfg) or not OmegaConf.select(cfg, f"{stage}.cache_target_states"):
             continue
-        from specdistill.stages.build import draft_kind
+        from specdistill.stages.model_loading import draft_kind
 
         kind = draft_kind(cfg)
         if not kind.reads_target:
@@ -224,7 +224,8 @@ def check_zero3_kind(cfg: DictConfig) -> None:
     for stage in ("distill", "adaspec"):
         if stage not in running_stages(cfg) or cfg.get(stage) is None:
             continue
-        from specdistill.stages.build import draft_kind, trainer_config
+        from specdistill.stages.model_loading import draft_kind
+        from specdistill.stages.trainer import trainer_config
 
         kind = draft_kind(cfg)
         if kind.zero3_refusal and zero3_requested(trainer_config(cfg, stage).get("strategy")):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from specdistill.stages.build import write_result
+from specdistill.stages.outputs import write_result
 
 
 def run(cfg: DictConfig, out_dir: Path) -> dict:

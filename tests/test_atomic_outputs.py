@@ -283,7 +283,7 @@ def fit_tiny_stage(out_dir: Path, max_steps: int) -> L.Trainer:
     """A stage's training as `stage=sft` runs it (its Trainer, its `fit` resuming from `checkpoints/last.ckpt`)."""
     from helpers import hydra_conf
 
-    from specdistill.stages.build import build_trainer, fit, trainer_config
+    from specdistill.stages.trainer import build_trainer, fit, trainer_config
 
     with hydra_conf():
         cfg = compose("train", overrides=["stage=sft", "++trainer.enable_progress_bar=false"])

@@ -14,8 +14,9 @@ from torch.utils.data import DataLoader
 
 from specdistill.data.sampler import WindowedDataset, WindowedSampler
 from specdistill.stages.adaspec import compute_matched, matched_steps
-from specdistill.stages.build import stage_batch_plan, trainer_config
+from specdistill.stages.datamodules import stage_batch_plan
 from specdistill.stages.settings import build_settings
+from specdistill.stages.trainer import trainer_config
 from specdistill.utils.batching import (
     BatchPlan,
     batch_plan,

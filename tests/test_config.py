@@ -13,7 +13,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from specdistill.stages.build import build_trainer, trainer_config
+from specdistill.stages.trainer import build_trainer, trainer_config
 from tests.helpers import hydra_conf
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

@@ -20,7 +20,7 @@ from specdistill.decoding.sampling import SamplingConfig
 from specdistill.models import ModelSpec, load_model
 from specdistill.models.loading import is_placed_across_devices
 from specdistill.rollout.generate import sample_responses
-from specdistill.stages.build import load_models
+from specdistill.stages.model_loading import load_models
 from tests.architectures import WINDOW
 from tests.test_architectures import tiny_pair
 from tests.threads import one_thread_per_module  # noqa: F401  (autouse fixture)

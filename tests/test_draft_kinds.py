@@ -27,7 +27,7 @@ from specdistill.losses.answers import answer_mask
 from specdistill.losses.rows import answer_rows
 from specdistill.models.loading import ModelSpec
 from specdistill.modules import DistillModule
-from specdistill.stages.build import draft_kind, model_spec
+from specdistill.stages.model_loading import draft_kind, model_spec
 from tests.helpers import TINY, check_ok, hydra_conf, run_train, stage_overrides
 
 LAYERS = 3

@@ -380,7 +380,7 @@ def test_a_head_saved_without_a_tokenizer_is_checked_by_its_vocabulary_not_a_tok
     """SpecForge saves no tokenizer with a head: evaluate and the rollouts then skip the tokenizer comparison for it
     (the head drafts the target's ids; `check_head_fits_target` compares the vocabulary sizes), while a causal LM
     without a tokenizer is still compared, and so fails as before."""
-    from specdistill.stages.build import TOKENIZER_FILES, brings_tokenizer
+    from specdistill.stages.model_loading import TOKENIZER_FILES, brings_tokenizer
 
     path = write_foreign(tmp_path / "head", head, target, tokenizer)
     assert brings_tokenizer(ModelSpec(pretrained_model_name_or_path=str(path)))  # it has one: compared

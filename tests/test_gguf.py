@@ -204,7 +204,7 @@ def test_a_pair_from_gguf_files_passes_the_settings_checks_and_builds_its_tokeni
     assert len(instantiate(cfg.models.tokenizer)) == len(TOKENS)
     assert instantiate(cfg.models.target).gguf_file == "tiny.gguf"
     # a stage loads the pair: each pretrained role's own tokenizer comes from its GGUF file too
-    from specdistill.stages.build import load_models, model_spec
+    from specdistill.stages.model_loading import load_models, model_spec
 
     specs = {"target": model_spec(cfg.models.target), "draft": model_spec(cfg.models.draft)}
     tokenizer, models, vocab_size = load_models(cfg, specs)

@@ -19,7 +19,8 @@ from specdistill.models import ModelSpec, load_model
 from specdistill.models.precision import MasterWeightsCheck, check_training_precision, trainable_spec
 from specdistill.modules import SFTModule
 from specdistill.stages import adaspec, distill, sft
-from specdistill.stages.build import build_trainer, load_models, model_spec, trainer_config
+from specdistill.stages.model_loading import load_models, model_spec
+from specdistill.stages.trainer import build_trainer, trainer_config
 from tests.helpers import TINY, hydra_conf
 from tests.test_distill_module import loader, make_batches, make_examples
 

@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 
-from specdistill.stages.build import load_models, model_spec
+from specdistill.stages.model_loading import load_models, model_spec
 from specdistill.utils.seeds import derive_seed
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

@@ -14,7 +14,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from specdistill.errors import ConfigError
-from specdistill.stages.build import draft_kind
+from specdistill.stages.model_loading import draft_kind
 from specdistill.stages.sequential import forgetting_of, forgetting_table, headline_numbers, phase_config
 from specdistill.stages.settings import build_settings
 from specdistill.utils.cluster import DEBUG_SIGNAL_ENV, PREEMPTED_EXIT_CODE

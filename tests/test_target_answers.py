@@ -14,7 +14,9 @@ from omegaconf import open_dict
 from specdistill.data.tokenize import tokenize_records
 from specdistill.errors import ConfigError, DataError, InputFileError
 from specdistill.models.tokenizer import ensure_pad_token
-from specdistill.stages.build import build_datamodule, load_frozen_target_and_drafts, seed_everything
+from specdistill.stages.datamodules import build_datamodule
+from specdistill.stages.model_loading import load_frozen_target_and_drafts
+from specdistill.stages.seeding import seed_everything
 from specdistill.stages.settings import build_settings
 from specdistill.tasks.answers import prompt_key, read_answers, write_answers
 from specdistill.tasks.base import TaskDataError

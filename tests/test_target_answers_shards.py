@@ -21,7 +21,8 @@ from specdistill.evaluation.generation import greedy_texts
 from specdistill.export.hf import export_pretrained
 from specdistill.rollout.generate import sample_responses
 from specdistill.stages import target_answers as stage
-from specdistill.stages.build import build_datamodule, load_frozen_target_and_drafts
+from specdistill.stages.datamodules import build_datamodule
+from specdistill.stages.model_loading import load_frozen_target_and_drafts
 from specdistill.stages.settings import build_settings
 from specdistill.tasks.answers import read_answers, write_answers
 from specdistill.validation import check_vllm_backend

@@ -20,19 +20,12 @@ from specdistill.export.head import export_head
 from specdistill.head_data import HiddenCache, RolloutDataModule
 from specdistill.modules.acceptance_head import AcceptanceHeadModule
 from specdistill.rollout.storage import read_settings
-from specdistill.stages.build import (
-    build_trainer,
-    fit,
-    load_exported_drafts,
-    load_frozen_target_and_drafts,
-    logged_metrics,
-    named_drafts,
-    seed_everything,
-    stage_batch_plan,
-    trainer_config,
-    write_result,
-)
+from specdistill.stages.datamodules import stage_batch_plan
+from specdistill.stages.model_loading import load_exported_drafts, load_frozen_target_and_drafts, named_drafts
+from specdistill.stages.outputs import logged_metrics, write_result
+from specdistill.stages.seeding import seed_everything
 from specdistill.stages.settings import build_settings
+from specdistill.stages.trainer import build_trainer, fit, trainer_config
 
 VAL_METRICS = ["val/head_bce", "val/binary_kl", "val/auroc_rejection", "val/ece"]
 

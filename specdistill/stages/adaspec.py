@@ -44,18 +44,13 @@ from specdistill.selection.reference import (
     ScoreOnceReference,
 )
 from specdistill.selection.self_reference import SelfReference
-from specdistill.stages.build import (
-    build_trainer,
-    draft_kind,
-    load_models,
-    model_spec,
-    seed_everything,
-    trainer_config,
-    training_datamodule,
-    write_result,
-)
+from specdistill.stages.datamodules import training_datamodule
 from specdistill.stages.distill import target_states_cache, train_and_export
+from specdistill.stages.model_loading import draft_kind, load_models, model_spec
+from specdistill.stages.outputs import write_result
+from specdistill.stages.seeding import seed_everything
 from specdistill.stages.settings import AdaSpecSettings, build_settings
+from specdistill.stages.trainer import build_trainer, trainer_config
 from specdistill.utils.batching import BatchPlan, batch_plan, matched_max_steps, world_size
 
 log = logging.getLogger(__name__)

@@ -29,15 +29,10 @@ from specdistill.drafts.base import LoadedDraft
 from specdistill.errors import ConfigError, DataError
 from specdistill.losses.answers import answer_mask
 from specdistill.models.output_rows import logits_at, project_at
-from specdistill.stages.build import (
-    build_datamodule,
-    load_frozen_target_and_drafts,
-    named_drafts,
-    pick_device,
-    seed_everything,
-    stage_logger,
-    write_result,
-)
+from specdistill.stages.datamodules import build_datamodule
+from specdistill.stages.model_loading import load_frozen_target_and_drafts, named_drafts, pick_device
+from specdistill.stages.outputs import stage_logger, write_result
+from specdistill.stages.seeding import seed_everything
 from specdistill.stages.settings import AnalyseSettings, build_settings
 from specdistill.utils.wandb_logger import log_report, log_summary
 

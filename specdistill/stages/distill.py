@@ -22,21 +22,12 @@ from specdistill.data.target_cache import CacheOnceTarget
 from specdistill.data.target_states import CacheOnceTargetStates
 from specdistill.errors import ConfigError
 from specdistill.modules.distill import DistillModule
-from specdistill.stages.build import (
-    build_trainer,
-    draft_kind,
-    export_trained,
-    fit,
-    load_models,
-    logged_metrics,
-    model_spec,
-    restore_best,
-    seed_everything,
-    trainer_config,
-    training_datamodule,
-    write_result,
-)
+from specdistill.stages.datamodules import training_datamodule
+from specdistill.stages.model_loading import draft_kind, load_models, model_spec
+from specdistill.stages.outputs import export_trained, logged_metrics, write_result
+from specdistill.stages.seeding import seed_everything
 from specdistill.stages.settings import DistillSettings, build_settings
+from specdistill.stages.trainer import build_trainer, fit, restore_best, trainer_config
 
 VAL_METRICS = ["val/kl", "val/expected_acceptance"]
 TRAINED_ROLES = ("draft",)  # built by the draft kind with fp32 master weights; the target stays frozen

@@ -36,15 +36,10 @@ from specdistill.evaluation.offline import (
 from specdistill.evaluation.protocol import EvalProtocol, evaluate_drafts
 from specdistill.evaluation.report import Report, summary_metrics
 from specdistill.models.acceptance_head import AcceptanceHead
-from specdistill.stages.build import (
-    build_datamodule,
-    load_frozen_target_and_drafts,
-    named_drafts,
-    pick_device,
-    seed_everything,
-    stage_logger,
-    write_result,
-)
+from specdistill.stages.datamodules import build_datamodule
+from specdistill.stages.model_loading import load_frozen_target_and_drafts, named_drafts, pick_device
+from specdistill.stages.outputs import stage_logger, write_result
+from specdistill.stages.seeding import seed_everything
 from specdistill.stages.settings import EvaluateSettings, build_settings
 from specdistill.utils.wandb_logger import log_report, log_summary
 

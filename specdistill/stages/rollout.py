@@ -28,16 +28,16 @@ from specdistill.rollout.generate import row_seeds
 from specdistill.rollout.ranks import Ranks, launch_ranks
 from specdistill.rollout.run import run_rollouts
 from specdistill.rollout.vllm_backend import generate_with_vllm, target_engine, vllm_model, vllm_request
-from specdistill.stages.build import (
-    build_datamodule,
+from specdistill.stages.datamodules import build_datamodule
+from specdistill.stages.model_loading import (
     load_frozen_target_and_drafts,
     model_spec,
     named_drafts,
     pick_device,
-    seed_everything,
     shared_tokenizer,
-    write_result,
 )
+from specdistill.stages.outputs import write_result
+from specdistill.stages.seeding import seed_everything
 from specdistill.stages.settings import RolloutSettings, build_settings
 
 

@@ -30,15 +30,10 @@ from omegaconf import DictConfig, open_dict
 from specdistill.diagnostics.positions import summarise_positions
 from specdistill.stages import pipeline
 from specdistill.stages.analyse import diagnose
-from specdistill.stages.build import (
-    build_datamodule,
-    load_frozen_target_and_drafts,
-    named_drafts,
-    pick_device,
-    seed_everything,
-    stage_logger,
-    write_result,
-)
+from specdistill.stages.datamodules import build_datamodule
+from specdistill.stages.model_loading import load_frozen_target_and_drafts, named_drafts, pick_device
+from specdistill.stages.outputs import stage_logger, write_result
+from specdistill.stages.seeding import seed_everything
 from specdistill.stages.settings import SequentialSettings, build_settings
 from specdistill.utils.atomic import atomic_write_text
 from specdistill.utils.wandb_logger import log_report, log_summary

@@ -2,7 +2,7 @@
 
 `build_settings(cfg, stage)` builds the stage's dataclass from `cfg.<stage>` with Hydra's `instantiate` (not
 recursively: the nested blocks `optimizer`, `scheduler`, `model`, `policies`, `trainer`, `vllm` and `sampling` stay
-plain dicts, built by the stage or merged by `stages/build.py::trainer_config` as before; interpolations are
+plain dicts, built by the stage or merged by `stages/trainer.py::trainer_config` as before; interpolations are
 resolved). A key that no field reads is refused by construction, with a `ConfigError` naming the key and the stage;
 every range check of a setting lives in its dataclass's `__post_init__`, so train.py (`specdistill/validation.py`) and
 the stage itself refuse the same values with the same one-line message. Checks that span groups (models vs a stage, a pipeline's
@@ -174,7 +174,7 @@ class TrainingSettings(StageSettings):
     micro_batch_size: int | None
     """Examples per device and forward pass; accumulation = batch_size / (world x this); null: batch_size / world."""
     trainer: dict[str, Any] = field(default_factory=dict)
-    """Merged into `trainer` for this stage (`stages/build.py::trainer_config`; `trainer.<key>` on the command line
+    """Merged into `trainer` for this stage (`stages/trainer.py::trainer_config`; `trainer.<key>` on the command line
     wins)."""
 
     def __post_init__(self) -> None:

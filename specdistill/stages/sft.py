@@ -9,19 +9,12 @@ from omegaconf import DictConfig
 
 from specdistill.evaluation.generation import greedy_texts, task_metric
 from specdistill.modules.sft import SFTModule
-from specdistill.stages.build import (
-    build_trainer,
-    export_trained,
-    fit,
-    load_models,
-    logged_metrics,
-    model_spec,
-    seed_everything,
-    trainer_config,
-    training_datamodule,
-    write_result,
-)
+from specdistill.stages.datamodules import training_datamodule
+from specdistill.stages.model_loading import load_models, model_spec
+from specdistill.stages.outputs import export_trained, logged_metrics, write_result
+from specdistill.stages.seeding import seed_everything
 from specdistill.stages.settings import build_settings
+from specdistill.stages.trainer import build_trainer, fit, trainer_config
 
 TRAINED_ROLES = ("target",)  # loaded with fp32 master weights
 

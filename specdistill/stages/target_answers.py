@@ -35,15 +35,15 @@ from specdistill.caches.digest import json_digest
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.evaluation.generation import greedy_texts, sampled_texts
 from specdistill.rollout.vllm_backend import generate_with_vllm, target_engine, vllm_model, vllm_request
-from specdistill.stages.build import (
-    build_datamodule,
+from specdistill.stages.datamodules import build_datamodule
+from specdistill.stages.model_loading import (
     load_frozen_target_and_drafts,
     model_spec,
     pick_device,
-    seed_everything,
     shared_tokenizer,
-    write_result,
 )
+from specdistill.stages.outputs import write_result
+from specdistill.stages.seeding import seed_everything
 from specdistill.stages.settings import TargetAnswersSettings, build_settings
 from specdistill.tasks import answer_shards
 from specdistill.tasks.answers import prompt_key, write_answers

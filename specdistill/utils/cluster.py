@@ -11,7 +11,7 @@ How a time limit or preemption notice becomes a resumed run:
    config and run directory) and exits; without submitit, rank 0 calls `scontrol requeue` on SLURM, and every rank
    exits with `PREEMPTED_EXIT_CODE`.
 3. The requeued job (or any re-launch with the same `hydra.run.dir`) resumes from `last.ckpt`
-   (`specdistill.stages.build.fit`), with the data order restored by the datamodule's stateful sampler.
+   (`specdistill.stages.trainer.fit`), with the data order restored by the datamodule's stateful sampler.
 
 `RunFingerprint` (specdistill/callbacks/fingerprint.py) and `check_run_dir` make the resume refuse a checkpoint or a run directory that belongs to another
 model or configuration.

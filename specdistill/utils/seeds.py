@@ -6,7 +6,7 @@
 A part's seed is a hash of (root seed, part name): different parts never share a random stream, a seed sweep
 (`seed=0,1,2`) changes all of them at once, and a user pins one part by overriding its key
 (`task.seed=7` keeps the data while the rest follows `seed`). Data order, dropout, head initialisation and sampling
-draw from the root seed itself (`stages.build.seed_everything`).
+draw from the root seed itself (`stages.seeding.seed_everything`).
 """
 
 from __future__ import annotations
