@@ -197,18 +197,15 @@ def check_reference_rows(cfg: DictConfig) -> None:
 
 
 def check_target_states(cfg: DictConfig) -> None:
-    """`<stage>.cache_target_states` caches the states a draft kind reads: refuse it for a kind that reads none."""
+    """`<stage>.target_cache` against the draft kind (`TargetSource.check_kind`): a states cache for a kind that
+    reads none of the target's states, a top-m cache for one that reads them, refused before anything loads."""
     for stage in ("distill", "adaspec"):
-        if stage not in running_stages(cfg) or not OmegaConf.select(cfg, f"{stage}.cache_target_states"):
+        if stage not in running_stages(cfg) or cfg.get(stage) is None:
             continue
+        from specdistill.data.target_source import source_from_setting
         from specdistill.stages.build import draft_kind
 
-        kind = draft_kind(cfg)
-        if not kind.reads_target:
-            raise ConfigError(
-                f"{stage}.cache_target_states caches the target's hidden states a draft kind reads, but the "
-                f"draft kind {type(kind).__name__} reads none: use {stage}.cached_target=<m> instead"
-            )
+        source_from_setting(stage, OmegaConf.select(cfg, f"{stage}.target_cache")).check_kind(draft_kind(cfg))
 
 
 def zero3_requested(strategy: object) -> bool:

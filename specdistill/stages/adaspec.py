@@ -4,7 +4,7 @@ Three models: the frozen target, the frozen reference (the `distill` stage's exp
 draft, initialised from the *base* draft checkpoint. The selector (`conf/selector/`) keeps the fraction `adaspec.k`
 of answer tokens; the reference's per-token divergence comes from the online reference or, with
 `adaspec.cached_scores` (default), from one scoring pass saved beside the run (`reference_scores/`), run at fit start
-where the Trainer's strategy put the target, each rank scoring a shard. With `adaspec.cached_target=<m>` the
+where the Trainer's strategy put the target, each rank scoring a shard. With `adaspec.target_cache=<m>` the
 target's top-m answer distributions are cached once (`target_cache/`, or `adaspec.target_cache_dir`, which a
 pipeline fills with the distill step's cache: reused when the key matches), at fit start in the same way, and
 training runs without the target model (docs/METHODS.md section 2, "Cached target distributions").
@@ -28,7 +28,6 @@ from omegaconf import DictConfig, open_dict
 
 from specdistill.callbacks.token_selection import SelectionReport
 from specdistill.data.datamodule import TaskDataModule
-from specdistill.data.target_cache import CacheOnceTarget
 from specdistill.drafts import load_draft
 from specdistill.drafts.base import DraftKind
 from specdistill.errors import ConfigError
@@ -54,7 +53,7 @@ from specdistill.stages.build import (
     training_datamodule,
     write_result,
 )
-from specdistill.stages.distill import target_states_cache, train_and_export
+from specdistill.stages.distill import train_and_export
 from specdistill.stages.settings import AdaSpecSettings, build_settings
 from specdistill.utils.batching import BatchPlan, batch_plan, matched_max_steps, world_size
 
@@ -227,25 +226,17 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     if baseline is not None:
         matched_steps(baseline, len(datamodule.tokenized("train")), trainer_cfg)
     divergence = instantiate(cfg.divergence)
-    target = models.pop("target")
-    states = target_states_cache(settings, target, out_dir, tokenizer, datamodule, vocab_size, kind)
-    # with a cached target the module holds no target model: the fit-start passes share this one
-    frozen_target = None
-    if settings.cached_target:
-        # cached at fit start where the Trainer places the target, every rank a share of each split (or reused)
-        frozen_target = Frozen(target)
-        target = CacheOnceTarget(
-            frozen_target, settings.target_cache_path(out_dir), tokenizer, datamodule, vocab_size,
-            m=int(settings.cached_target),
-        )  # fmt: skip
+    training = settings.target_source(kind).build(
+        models.pop("target"), settings.target_cache_path(out_dir), tokenizer, datamodule, vocab_size, kind
+    )
+    # with a cached target the module holds no target model: the fit-start passes share its one holder
     reference = build_reference(
         source, models, kind, selector, divergence, vocab_size, out_dir / "reference_scores", datamodule,
-        frozen_target,
+        training.frozen,
     )  # fmt: skip
-    del frozen_target  # the fit-start passes release the target when done: nothing else may keep it in memory
     module = DistillModule(
         draft=models["draft"],
-        target=target,
+        target=training.target,
         vocab_size=vocab_size,
         divergence=divergence,
         optimizer=instantiate(settings.optimizer),
@@ -253,8 +244,11 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         selector=selector,
         reference=reference,
         kind=kind,
-        target_states=states,
+        target_states=training.states,
     )
+    del (
+        training
+    )  # its `frozen` holder would keep the target in memory after the cache's fit-start pass releases it
     report = SelectionReport(tokenizer=tokenizer, output_dir=str(out_dir))
     trainer = build_trainer(cfg, "adaspec", out_dir, trainer_cfg, [report], select_best=settings.select_best)
     reference_name = f"self ({selector.self_reference})" if self_referencing else settings.reference
