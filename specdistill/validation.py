@@ -162,8 +162,12 @@ def check_reference_given(cfg: DictConfig) -> None:
         settings = cfg.get(stage)
         if settings is None or "reference" not in settings or settings.reference:
             continue
-        if stage == "adaspec" and _adaspec_reference_source(cfg) in (None, "self"):
-            continue  # no reference read, or the draft's own earlier weights score
+        if stage == "adaspec":
+            from specdistill.stages.adaspec import configured_reference_source
+
+            source = configured_reference_source(cfg)
+            if source is None or not source.loads_reference:
+                continue  # no reference read, or the draft's own earlier weights score
         if f"{stage}.reference" in filled_by_earlier_steps(cfg, stage):
             continue
         raise ConfigError(
@@ -172,43 +176,26 @@ def check_reference_given(cfg: DictConfig) -> None:
         )
 
 
-def _adaspec_reference_source(cfg: DictConfig) -> str | None:
-    """Where the adaspec stage's reference divergence comes from (`specdistill.stages.adaspec.reference_source`)."""
-    from specdistill.stages.adaspec import is_self_referencing, reference_source
-    from specdistill.stages.model_loading import draft_kind
-
-    if cfg.get("selector") is None:
-        return None
-    needs_reference = bool(getattr(get_class(cfg.selector._target_), "needs_reference", False))
-    per_row = not draft_kind(cfg).one_row_per_token
-    return reference_source(
-        needs_reference, is_self_referencing(cfg), per_row, bool(cfg.adaspec.cached_scores)
-    )
-
-
 def check_reference_rows(cfg: DictConfig) -> None:
     """AdaSPEC on a draft kind with several training rows per answer token (EAGLE-3) scores its reference online:
     refuse `adaspec.cached_scores=true` before the distill step has trained for an hour."""
     if "adaspec" not in running_stages(cfg) or cfg.get("adaspec") is None:
         return
-    from specdistill.stages.adaspec import check_reference_source
+    from specdistill.stages.adaspec import configured_reference_source
 
-    check_reference_source(_adaspec_reference_source(cfg), bool(cfg.adaspec.cached_scores))
+    configured_reference_source(cfg)
 
 
 def check_target_states(cfg: DictConfig) -> None:
-    """`<stage>.cache_target_states` caches the states a draft kind reads: refuse it for a kind that reads none."""
+    """`<stage>.target_cache` against the draft kind (`TargetSource.check_kind`): a states cache for a kind that
+    reads none of the target's states, a top-m cache for one that reads them, refused before anything loads."""
     for stage in ("distill", "adaspec"):
-        if stage not in running_stages(cfg) or not OmegaConf.select(cfg, f"{stage}.cache_target_states"):
+        if stage not in running_stages(cfg) or cfg.get(stage) is None:
             continue
+        from specdistill.data.target_source import source_from_setting
         from specdistill.stages.model_loading import draft_kind
 
-        kind = draft_kind(cfg)
-        if not kind.reads_target:
-            raise ConfigError(
-                f"{stage}.cache_target_states caches the target's hidden states a draft kind reads, but the "
-                f"draft kind {type(kind).__name__} reads none: use {stage}.cached_target=<m> instead"
-            )
+        source_from_setting(stage, OmegaConf.select(cfg, f"{stage}.target_cache")).check_kind(draft_kind(cfg))
 
 
 def zero3_requested(strategy: object) -> bool:

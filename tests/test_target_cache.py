@@ -145,7 +145,7 @@ def test_a_cache_from_another_model_tokenizer_or_dataset_is_refused(tmp_path):
 
 @pytest.mark.slow
 def test_distill_and_adaspec_stages_train_from_one_shared_cache(tmp_path):
-    """`<stage>.cached_target=m` with one `target_cache_dir`: the distill stage caches the target once (train and
+    """`<stage>.target_cache=m` with one `target_cache_dir`: the distill stage caches the target once (train and
     validation) and trains from it; the adaspec stage then finds the same key there and reuses the cache (no target
     pass, nothing written), so the target runs once for both."""
     from tests.helpers import TINY, check_ok, run_train, stage_overrides
@@ -153,7 +153,7 @@ def test_distill_and_adaspec_stages_train_from_one_shared_cache(tmp_path):
     shared = tmp_path / "shared_cache"
     runs = {stage: tmp_path / stage for stage in ("distill", "adaspec")}
     check_ok(run_train(
-        ["stage=distill", *TINY, *stage_overrides("distill", 2), "distill.cached_target=8",
+        ["stage=distill", *TINY, *stage_overrides("distill", 2), "distill.target_cache=8",
          f"distill.target_cache_dir={shared}", f"hydra.run.dir={runs['distill']}"]
     ))  # fmt: skip
     key_file = shared / "specdistill_target_cache.json"
@@ -165,7 +165,7 @@ def test_distill_and_adaspec_stages_train_from_one_shared_cache(tmp_path):
 
     check_ok(run_train(
         ["stage=adaspec", *TINY, *stage_overrides("adaspec", 2), f"adaspec.reference={runs['distill'] / 'export'}",
-         "adaspec.cached_target=8", f"adaspec.target_cache_dir={shared}", f"hydra.run.dir={runs['adaspec']}"]
+         "adaspec.target_cache=8", f"adaspec.target_cache_dir={shared}", f"hydra.run.dir={runs['adaspec']}"]
     ))  # fmt: skip
     assert "reusing the cache in" in (runs["adaspec"] / "train.log").read_text()
     assert {p: p.stat().st_mtime_ns for p in shared.rglob("*") if p.is_file()} == written
@@ -184,7 +184,7 @@ def _cache_contents(path) -> dict[str, dict[str, list]]:
 
 
 def test_the_cache_is_built_at_fit_start_where_the_trainer_placed_the_target_and_reused(tmp_path):
-    """`CacheOnceTarget` (the adaspec stage's `cached_target`): the first fit builds the cache exactly as
+    """`CacheOnceTarget` (the adaspec stage's `target_cache=<m>`): the first fit builds the cache exactly as
     `build_target_cache` does and releases the target; a second run with the same inputs reuses it, with no target
     forward."""
     import lightning as L

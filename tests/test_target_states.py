@@ -12,9 +12,11 @@ import torch
 from specdistill.caches.fit_start import FitStart
 from specdistill.data.arith_tokenizer import arith_tokenizer
 from specdistill.data.datamodule import TaskDataModule
-from specdistill.data.target_states import KEY_FILE, CacheOnceTargetStates, states_bytes
+from specdistill.data.target_source import LiveTarget, StatesCache, TopMCache, source_from_setting
+from specdistill.data.target_states import KEY_FILE, CacheOnceTargetStates, check_dtype, states_bytes
 from specdistill.drafts import target_pass
 from specdistill.drafts.eagle3.kind import Eagle3
+from specdistill.drafts.standalone import Standalone
 from specdistill.errors import ConfigError
 from specdistill.losses.answers import answer_mask
 from specdistill.tasks.arith import Arith
@@ -94,19 +96,32 @@ def test_the_cache_is_keyed_sized_and_reused(tmp_path):
     assert json.loads((tmp_path / "states" / KEY_FILE).read_text())["model"] != key["model"]
 
 
-def test_a_kind_without_target_states_and_two_target_caches_are_refused(tmp_path):
-    data = _datamodule()
-    data.setup("fit")
-    vocab = len(data.tokenizer)
-    with pytest.raises(ValueError, match="reads none: use cached_target"):
-        CacheOnceTargetStates(tiny_target("llama", vocab=vocab), tmp_path, data.tokenizer, data, vocab, ())
-    with pytest.raises(ValueError, match="cache_target_states='float64'"):
-        CacheOnceTargetStates(tiny_target("llama", vocab=vocab), tmp_path, data.tokenizer, data, vocab, LAYERS,
-                              dtype="float64")  # fmt: skip
+def test_a_target_cache_that_does_not_fit_the_kind_or_names_no_source_is_refused():
+    """`<stage>.target_cache`: one key for the live target, a top-m cache or a states cache, held against the draft
+    kind in one place (`TargetSource.check_kind`), which validation and `DistillModule` both call."""
     from tests.test_user_errors import validated
 
-    with pytest.raises(ConfigError, match="two target caches"):
-        validated("stage=distill", "distill.cache_target_states=bfloat16", "distill.cached_target=8")
+    assert source_from_setting("distill", None) == LiveTarget("distill")
+    assert source_from_setting("distill", 0) == LiveTarget("distill")
+    assert source_from_setting("distill", 8) == TopMCache("distill", m=8)
+    assert source_from_setting("adaspec", "float16") == StatesCache("adaspec", dtype="float16")
+    for value in ("float64", True, -1, 2.5, "64"):
+        with pytest.raises(ConfigError, match=r"distill\.target_cache=.*positive integer m"):
+            source_from_setting("distill", value)
+    with pytest.raises(ConfigError, match="reads none: set distill.target_cache=<m>"):
+        StatesCache("distill").check_kind(Standalone())
+    with pytest.raises(ConfigError, match="reads the target's hidden states, which that cache does not hold"):
+        TopMCache("adaspec", m=8).check_kind(Eagle3(draft_vocab_size=64))
+    StatesCache("distill").check_kind(Eagle3(draft_vocab_size=64))  # what it is for
+    TopMCache("distill", m=8).check_kind(Standalone())
+    with pytest.raises(ValueError, match="target_cache='float64'"):
+        check_dtype("float64")
+    with pytest.raises(ConfigError, match="reads none: set distill.target_cache=<m>"):
+        validated("stage=distill", "distill.target_cache=bfloat16")
+    with pytest.raises(ConfigError, match="which that cache does not hold"):
+        validated("stage=distill", "draft=eagle3", "draft.draft_vocab_size=64", "distill.target_cache=8")
+    with pytest.raises(ConfigError, match="positive integer m"):
+        validated("stage=distill", "distill.target_cache=float64")
 
 
 @pytest.mark.slow
@@ -116,7 +131,7 @@ def test_train_py_trains_eagle3_heads_from_the_cached_states_and_hands_them_to_a
     pair = [*TINY, "models.target.config.num_hidden_layers=4"]
     head = ["draft=eagle3", "draft.draft_vocab_size=128", "draft.ttt_steps=2", "draft.aux_layer_ids=[0,1,3]"]
     distill = tmp_path / "distill"
-    proc = run_train(["stage=distill", *pair, *head, "distill.cache_target_states=bfloat16",
+    proc = run_train(["stage=distill", *pair, *head, "distill.target_cache=bfloat16",
                       *stage_overrides("distill", 2), f"hydra.run.dir={distill}"])  # fmt: skip
     check_ok(proc)
     result = json.loads((distill / "result.json").read_text())
@@ -125,14 +140,15 @@ def test_train_py_trains_eagle3_heads_from_the_cached_states_and_hands_them_to_a
     assert 0 < result["val/expected_acceptance"] <= 1
     adaspec = tmp_path / "adaspec"
     proc = run_train(["stage=adaspec", *pair, *head, f"adaspec.reference={distill / 'export'}",
-                      "adaspec.cached_scores=false", "adaspec.cache_target_states=bfloat16",
+                      "adaspec.cached_scores=false", "adaspec.target_cache=bfloat16",
                       f"adaspec.target_cache_dir={states}", *stage_overrides("adaspec", 2),
                       f"hydra.run.dir={adaspec}"])  # fmt: skip
     check_ok(proc)
     assert "reusing the cache in" in proc.stdout + proc.stderr
     assert not (adaspec / "target_cache").exists()
-    refused = run_train(["stage=distill", *pair, "distill.cache_target_states=bfloat16", *stage_overrides("distill", 1),
+    refused = run_train(["stage=distill", *pair, "distill.target_cache=bfloat16", *stage_overrides("distill", 1),
                          f"hydra.run.dir={tmp_path / 'refused'}"])  # fmt: skip
     assert (
-        refused.returncode != 0 and "reads none: use distill.cached_target" in refused.stderr + refused.stdout
+        refused.returncode != 0
+        and "reads none: set distill.target_cache=<m>" in refused.stderr + refused.stdout
     )

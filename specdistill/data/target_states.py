@@ -1,6 +1,7 @@
 """Cached target states for a draft kind that reads the target's hidden states (EAGLE-3): one target pass, at fit
 start, over the train and validation splits, so that training reads the states from disk instead of running the
-target on every batch (`distill.cache_target_states=<dtype>` / `adaspec.cache_target_states`, in `target_cache_dir`).
+target on every batch (`distill.target_cache=<dtype>` / `adaspec.target_cache=<dtype>`, in `target_cache_dir`;
+`specdistill.data.target_source`).
 
 Per example the cache holds the target's hidden states at the kind's layers (`target_layers`,
 `output_hidden_states` indices) at every real position, `L x (layers x H)` values, and its last hidden state (after
@@ -10,7 +11,7 @@ never runs). Stored as `dtype` (bfloat16 by default: 2 bytes per value), so one 
 `2 x (L x layers x H + n x H)` bytes: SmolLM2-135M (H = 576, 3 layers) at L = 300 and n = 64 about 1.1 MB, 700
 examples 0.8 GB; Llama-3.1-8B (H = 4096) at L = 2048 and n = 512 about 54 MB per example, 68k ShareGPT
 conversations 3.7 TB. Hence only where the user asks. bfloat16 rounds the states the head reads (the live target
-in float32 on a CPU gives slightly different rows); `cache_target_states: float32` keeps them exact at twice the
+in float32 on a CPU gives slightly different rows); `target_cache: float32` keeps them exact at twice the
 size.
 
 Storage and reuse go through `specdistill.caches.build_or_reuse` like the other caches (one `datasets` table per
@@ -54,7 +55,7 @@ _NUMPY = {torch.int16: np.int16, torch.float32: np.float32}
 
 def check_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
-        raise ValueError(f"cache_target_states={name!r} must be one of {sorted(DTYPES)}")
+        raise ValueError(f"target_cache={name!r} must be one of {sorted(DTYPES)}")
     return DTYPES[name]
 
 
@@ -143,11 +144,6 @@ class CacheOnceTargetStates(FitStartCache):
         layers: Sequence[int],
         dtype: str = "bfloat16",
     ) -> None:
-        if not layers:
-            raise ValueError(
-                "cache_target_states caches the target's hidden states a draft kind reads, but this kind reads "
-                "none: use cached_target=<m> (the target's top-m distributions) instead"
-            )
         self.dtype = check_dtype(dtype)
         self.path, self.vocab_size, self.layers = Path(path), int(vocab_size), tuple(int(i) for i in layers)
         self._frozen = target if isinstance(target, Frozen) else Frozen(target)

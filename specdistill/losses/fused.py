@@ -65,7 +65,7 @@ def fused_divergence_sum(
     if not isinstance(target_rows, HiddenRows) or not isinstance(draft_rows, HiddenRows):
         raise ValueError(
             "divergence.kernel=liger projects the target's hidden states itself: it cannot read a cached target "
-            f"({type(target_rows).__name__}); drop cached_target or use divergence.kernel=torch"
+            f"({type(target_rows).__name__}); set target_cache=null or use divergence.kernel=torch"
         )
     beta = liger_beta(divergence)
     draft_weight, target_weight = _weight(draft_rows, "draft"), _weight(target_rows, "target")

@@ -19,6 +19,7 @@ from torch import nn
 
 from specdistill.caches import FitStart, prepare_caches
 from specdistill.data.target_cache import CachedTarget
+from specdistill.data.target_source import source_of
 from specdistill.drafts.base import DraftKind, TargetPass, TrainingRows, target_pass
 from specdistill.drafts.standalone.kind import Standalone
 from specdistill.losses.answers import answer_mask
@@ -105,20 +106,16 @@ class DistillModule(LightningModule):
         if self.cached_target is not None and divergence.kernel != "torch":
             raise ValueError(
                 f"divergence.kernel={divergence.kernel} projects the target's hidden states itself, so it cannot "
-                "train from cached target distributions: drop cached_target or use divergence.kernel=torch"
+                "train from cached target distributions: set target_cache=null or use divergence.kernel=torch"
             )
         self.kind = kind if kind is not None else Standalone()
         _check_reference_rows(selector, reference, self.kind)
-        if self.cached_target is not None and self.kind.target_layers:
+        if target_states is not None and self.cached_target is not None:
             raise ValueError(
-                f"the draft kind {type(self.kind).__name__} reads the target's hidden states at layers "
-                f"{list(self.kind.target_layers)}, which a cached target does not hold: drop cached_target"
+                "target_states (the target's cached hidden states) and cached target distributions are two target "
+                "caches: give target_states with the target model"
             )
-        if target_states is not None and (self.cached_target is not None or not self.kind.target_layers):
-            raise ValueError(
-                "target_states holds the target's hidden states for a draft kind that reads them: give it with the "
-                "target model (not cached distributions), for such a kind (draft=eagle3)"
-            )
+        source_of(target, target_states).check_kind(self.kind)
         self.target_states = target_states
         if self.cached_target is not None:
             self._target = None

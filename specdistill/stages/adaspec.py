@@ -4,7 +4,7 @@ Three models: the frozen target, the frozen reference (the `distill` stage's exp
 draft, initialised from the *base* draft checkpoint. The selector (`conf/selector/`) keeps the fraction `adaspec.k`
 of answer tokens; the reference's per-token divergence comes from the online reference or, with
 `adaspec.cached_scores` (default), from one scoring pass saved beside the run (`reference_scores/`), run at fit start
-where the Trainer's strategy put the target, each rank scoring a shard. With `adaspec.cached_target=<m>` the
+where the Trainer's strategy put the target, each rank scoring a shard. With `adaspec.target_cache=<m>` the
 target's top-m answer distributions are cached once (`target_cache/`, or `adaspec.target_cache_dir`, which a
 pipeline fills with the distill step's cache: reused when the key matches), at fit start in the same way, and
 training runs without the target model (docs/METHODS.md section 2, "Cached target distributions").
@@ -17,18 +17,18 @@ between the draft's and the reference head's divergence on the same row (`KindRe
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, open_dict
 
 from specdistill.callbacks.token_selection import SelectionReport
 from specdistill.data.datamodule import TaskDataModule
-from specdistill.data.target_cache import CacheOnceTarget
 from specdistill.drafts import load_draft
 from specdistill.drafts.base import DraftKind
 from specdistill.errors import ConfigError
@@ -45,7 +45,7 @@ from specdistill.selection.reference import (
 )
 from specdistill.selection.self_reference import SelfReference
 from specdistill.stages.datamodules import training_datamodule
-from specdistill.stages.distill import target_states_cache, train_and_export
+from specdistill.stages.distill import train_and_export
 from specdistill.stages.model_loading import draft_kind, load_models, model_spec
 from specdistill.stages.outputs import write_result
 from specdistill.stages.seeding import seed_everything
@@ -116,31 +116,67 @@ def is_self_referencing(cfg: DictConfig) -> bool:
     return selector is not None and selector.get("self_reference") is not None
 
 
-def reference_source(
-    needs_reference: bool, self_referencing: bool, per_row: bool, cached_scores: bool
-) -> str | None:
-    """Where the selector's reference divergence D(p, r) comes from:
+class ReferenceSource(str, enum.Enum):
+    """Where the selector's reference divergence D(p, r) comes from (None where the selector reads none):
 
-    - None: the selector reads no reference (nothing is loaded);
     - `self`: the draft's own earlier weights, online (`SelfReference`; no reference model);
     - `kind`: a reference of the draft's kind scored online on the draft's training rows (`KindReference`: an
       EAGLE-3 head, several rows per answer token);
     - `cached`: the reference LM scores the train split once at fit start (`ScoreOnceReference`);
     - `online`: the reference LM scores every micro-batch (`OnlineReference`).
     """
+
+    SELF = "self"
+    KIND = "kind"
+    CACHED = "cached"
+    ONLINE = "online"
+
+    @property
+    def loads_reference(self) -> bool:
+        """Whether a reference model is loaded from `adaspec.reference` (every source but `self`)."""
+        return self is not ReferenceSource.SELF
+
+
+def reference_source(
+    needs_reference: bool, self_referencing: bool, per_row: bool, cached_scores: bool
+) -> ReferenceSource | None:
+    """The `ReferenceSource` of a selector that reads a reference (`needs_reference`), scoring with the draft's
+    own weights (`self_referencing`) or not, for a kind with several rows per answer token (`per_row`) or one,
+    under `adaspec.cached_scores`; None when the selector reads no reference (nothing is loaded)."""
     if not needs_reference:
         return None
     if self_referencing:
-        return "self"
+        return ReferenceSource.SELF
     if per_row:
-        return "kind"
-    return "cached" if cached_scores else "online"
+        return ReferenceSource.KIND
+    return ReferenceSource.CACHED if cached_scores else ReferenceSource.ONLINE
 
 
-def check_reference_source(source: str | None, cached_scores: bool) -> None:
+def configured_reference_source(cfg: DictConfig) -> ReferenceSource | None:
+    """The adaspec stage's `ReferenceSource` from its config alone (the selector's class, the draft kind,
+    `adaspec.cached_scores`), checked: what the stage and validation both read.
+
+    Raises:
+        ConfigError: the per-token score cache for a kind scored row by row (`check_reference_source`).
+    """
+    selector = cfg.get("selector")
+    if selector is None:
+        return None
+    cached_scores = bool(cfg.adaspec.cached_scores)
+    source = reference_source(
+        bool(getattr(get_class(selector._target_), "needs_reference", False)),
+        is_self_referencing(cfg),
+        not draft_kind(cfg).one_row_per_token,
+        cached_scores,
+    )
+    check_reference_source(source, cached_scores)
+    return source
+
+
+def check_reference_source(source: ReferenceSource | None, cached_scores: bool) -> None:
     """A draft kind with several training rows per answer token (EAGLE-3) is scored by its reference online, row
     by row: refuse the per-token score cache for it."""
-    if source == "kind" and cached_scores:
+    if source is ReferenceSource.KIND and cached_scores:
         raise ConfigError(
             "adaspec.cached_scores=true caches one reference score per answer token, but this draft kind trains "
             "on several rows per answer token (EAGLE-3: one per unrolled step), which its reference head scores "
@@ -149,7 +185,7 @@ def check_reference_source(source: str | None, cached_scores: bool) -> None:
 
 
 def build_reference(
-    source: str | None,
+    source: ReferenceSource | None,
     models: dict,
     kind: DraftKind,
     selector: Selector,
@@ -163,7 +199,7 @@ def build_reference(
     model where the source runs one; `target`: the frozen target a cached scoring pass shares, if any."""
     if source is None:
         return None
-    if source == "self":
+    if source is ReferenceSource.SELF:
         # the draft's own earlier weights score, online (a cache cannot hold scores of weights that keep moving)
         log.info("AdaSPEC with a %s self-reference: no reference model is loaded", selector.self_reference)
         scorer = (
@@ -174,9 +210,9 @@ def build_reference(
             mode=selector.self_reference, every=selector.every, decay=selector.decay,
             warmup_steps=selector.warmup_steps,
         )  # fmt: skip
-    if source == "kind":
+    if source is ReferenceSource.KIND:
         return KindReference(models["reference"], kind, divergence, vocab_size)
-    if source == "cached":
+    if source is ReferenceSource.CACHED:
         # scored at fit start, on the devices the Trainer gives the target, every rank a shard of the train split
         return ScoreOnceReference(
             models["reference"], divergence, vocab_size, scores_dir, datamodule, target=target
@@ -190,57 +226,46 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     kind = draft_kind(cfg, settings.init)
     selector = instantiate(cfg.selector, k=k)
     self_referencing = is_self_referencing(cfg)
-    source = reference_source(
-        bool(selector.needs_reference), self_referencing, not kind.one_row_per_token, settings.cached_scores
-    )
-    if source not in (None, "self") and not settings.reference:
+    source = configured_reference_source(cfg)
+    if source is not None and source.loads_reference and not settings.reference:
         raise ValueError(
             "adaspec.reference is not set: pass the export directory of a `distill` run "
             "(adaspec.reference=<distill_run_dir>/export), or run stage=pipeline which wires it."
         )
-    check_reference_source(source, settings.cached_scores)
     trainer_cfg = trainer_config(cfg, "adaspec")
     baseline = None
     if settings.compute_matched:
         settings, trainer_cfg, baseline = compute_matched(settings, trainer_cfg)
     seed_everything(cfg)
     reference_spec = None
-    if source not in (None, "self"):
+    if source is not None and source.loads_reference:
         reference_spec = ModelSpec(
             pretrained_model_name_or_path=settings.reference, dtype=cfg.models.draft.get("dtype", "float32")
         )
     specs = {"target": model_spec(cfg.models.target)}
-    if source in ("cached", "online"):
+    if source in (ReferenceSource.CACHED, ReferenceSource.ONLINE):
         specs["reference"] = reference_spec
     tokenizer, models, vocab_size = load_models(cfg, specs, drafts=dict.fromkeys(TRAINED_ROLES, kind))
     datamodule = training_datamodule(cfg, tokenizer, settings, trainer_cfg)
     kind.prepare(models["draft"], datamodule)
-    if source == "kind":
+    if source is ReferenceSource.KIND:
         # a reference of the draft's kind (an EAGLE-3 head reads the target), scored on the draft's own rows
         models["reference"] = load_draft(reference_spec, vocab_size, target=models["target"]).model
         kind.check_reference(models["draft"], models["reference"])
     if baseline is not None:
         matched_steps(baseline, len(datamodule.tokenized("train")), trainer_cfg)
     divergence = instantiate(cfg.divergence)
-    target = models.pop("target")
-    states = target_states_cache(settings, target, out_dir, tokenizer, datamodule, vocab_size, kind)
-    # with a cached target the module holds no target model: the fit-start passes share this one
-    frozen_target = None
-    if settings.cached_target:
-        # cached at fit start where the Trainer places the target, every rank a share of each split (or reused)
-        frozen_target = Frozen(target)
-        target = CacheOnceTarget(
-            frozen_target, settings.target_cache_path(out_dir), tokenizer, datamodule, vocab_size,
-            m=int(settings.cached_target),
-        )  # fmt: skip
+    training = settings.target_source(kind).build(
+        models.pop("target"), settings.target_cache_path(out_dir), tokenizer, datamodule, vocab_size, kind
+    )
+    # with a cached target the module holds no target model: the fit-start passes share its one holder
     reference = build_reference(
         source, models, kind, selector, divergence, vocab_size, out_dir / "reference_scores", datamodule,
-        frozen_target,
+        training.frozen,
     )  # fmt: skip
-    del frozen_target  # the fit-start passes release the target when done: nothing else may keep it in memory
     module = DistillModule(
         draft=models["draft"],
-        target=target,
+        target=training.target,
         vocab_size=vocab_size,
         divergence=divergence,
         optimizer=instantiate(settings.optimizer),
@@ -248,8 +273,11 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         selector=selector,
         reference=reference,
         kind=kind,
-        target_states=states,
+        target_states=training.states,
     )
+    del (
+        training
+    )  # its `frozen` holder would keep the target in memory after the cache's fit-start pass releases it
     report = SelectionReport(tokenizer=tokenizer, output_dir=str(out_dir))
     trainer = build_trainer(cfg, "adaspec", out_dir, trainer_cfg, [report], select_best=settings.select_best)
     reference_name = f"self ({selector.self_reference})" if self_referencing else settings.reference

@@ -1,11 +1,11 @@
 """Stage `distill`: DistillSpec-style distillation of the draft on all answer tokens; its export is the reference.
 
-With `distill.cached_target=<m>` the target's top-m answer distributions are cached once (`target_cache/`, or
+With `distill.target_cache=<m>` the target's top-m answer distributions are cached once (`target_cache/`, or
 `distill.target_cache_dir`; one target pass over train and validation at fit start, where the Trainer placed the
 target) and training runs without it (docs/METHODS.md section 2, "Cached target distributions"). The result names
-the cache's folder (`target_cache`), which a pipeline hands to the adaspec step. With `distill.cache_target_states`
+the cache's folder (`target_cache`), which a pipeline hands to the adaspec step. With `distill.target_cache=<dtype>`
 (a kind that reads the target's hidden states, draft=eagle3) those states are cached instead, in the same folder
-(`specdistill.data.target_states`), and likewise handed on.
+(`specdistill.data.target_states`), and likewise handed on; `specdistill.data.target_source` reads the setting.
 """
 
 from __future__ import annotations
@@ -18,15 +18,12 @@ from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
 from specdistill.data.datamodule import TaskDataModule
-from specdistill.data.target_cache import CacheOnceTarget
-from specdistill.data.target_states import CacheOnceTargetStates
-from specdistill.errors import ConfigError
 from specdistill.modules.distill import DistillModule
 from specdistill.stages.datamodules import training_datamodule
 from specdistill.stages.model_loading import draft_kind, load_models, model_spec
 from specdistill.stages.outputs import export_trained, logged_metrics, write_result
 from specdistill.stages.seeding import seed_everything
-from specdistill.stages.settings import DistillSettings, build_settings
+from specdistill.stages.settings import build_settings
 from specdistill.stages.trainer import build_trainer, fit, restore_best, trainer_config
 
 VAL_METRICS = ["val/kl", "val/expected_acceptance"]
@@ -42,54 +39,29 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     tokenizer, models, vocab_size = load_models(cfg, specs, drafts=dict.fromkeys(TRAINED_ROLES, kind))
     datamodule = training_datamodule(cfg, tokenizer, settings, trainer_cfg)
     kind.prepare(models["draft"], datamodule)
-    target = models.pop("target")
-    states = target_states_cache(settings, target, out_dir, tokenizer, datamodule, vocab_size, kind)
-    if settings.cached_target:
-        # cached at fit start where the Trainer places the target, every rank a share of each split (or reused);
-        # the target is released after that pass: training reads the cache
-        target = CacheOnceTarget(
-            target,
-            settings.target_cache_path(out_dir),
-            tokenizer,
-            datamodule,
-            vocab_size,
-            m=int(settings.cached_target),
-        )
+    source = settings.target_source(kind)
+    training = source.build(
+        models.pop("target"), settings.target_cache_path(out_dir), tokenizer, datamodule, vocab_size, kind
+    )
     module = DistillModule(
         draft=models["draft"],
-        target=target,
+        target=training.target,
         vocab_size=vocab_size,
         divergence=instantiate(cfg.divergence),
         optimizer=instantiate(settings.optimizer),
         scheduler=instantiate(settings.scheduler),
         kind=kind,
-        target_states=states,
+        target_states=training.states,
     )
+    del (
+        training
+    )  # its `frozen` holder would keep the target in memory after the cache's fit-start pass releases it
     trainer = build_trainer(cfg, "distill", out_dir, trainer_cfg, select_best=settings.select_best)
     metadata = {"stage": "distill", "task": cfg.task.name}
     trained = train_and_export(trainer, module, datamodule, tokenizer, out_dir, metadata)
     # the cache's folder, or None: the pipeline hands it to the adaspec step (conf/step/distill.yaml)
-    cached = settings.cached_target or settings.cache_target_states
-    cache = str(settings.target_cache_path(out_dir)) if cached else None
+    cache = str(settings.target_cache_path(out_dir)) if source.cached else None
     return write_result(out_dir, {"stage": "distill", **trained, "target_cache": cache})
-
-
-def target_states_cache(
-    settings: DistillSettings, target, out_dir: Path, tokenizer, datamodule, vocab_size: int, kind
-) -> CacheOnceTargetStates | None:
-    """The target-states cache `settings.cache_target_states` asks for (None when off): built at fit start, or
-    reused from `target_cache_dir` when its key matches; refused for a kind that reads no target states."""
-    if not settings.cache_target_states:
-        return None
-    if not kind.target_layers:
-        raise ConfigError(
-            f"{settings.group}.cache_target_states caches the target's hidden states a draft kind reads, but "
-            f"the draft kind {type(kind).__name__} reads none: use {settings.group}.cached_target=<m> instead"
-        )
-    return CacheOnceTargetStates(
-        target, settings.target_cache_path(out_dir), tokenizer, datamodule, vocab_size, kind.target_layers,
-        dtype=settings.cache_target_states,
-    )  # fmt: skip
 
 
 def train_and_export(

@@ -26,6 +26,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig
 
+from specdistill.data.target_source import TargetSource, source_from_setting
 from specdistill.errors import ConfigError, UserError
 from specdistill.tasks.base import SPLITS
 
@@ -221,17 +222,18 @@ class DistillSettings(TaskTrainingSettings):
     """DistillSpec-style distillation on every answer token (docs/METHODS.md section 2)."""
 
     group: ClassVar[str] = "distill"
-    cached_target: int | None = None
-    """m (e.g. 64): cache the target's top-m answer distributions once and train without the target (0/null: off)."""
+    target_cache: int | str | None = None
+    """Where training reads the target (`specdistill.data.target_source`): null, the live target on every batch; an
+    integer m (e.g. 64), its top-m answer distributions cached once, so training runs without the target; bfloat16,
+    float16 or float32, for a draft kind that reads the target's hidden states (draft=eagle3), those states cached
+    once in that precision (float32: exact, twice the size), so the target's body never runs in training (large, see
+    specdistill/data/target_states.py). Both are built at fit start over train and validation, in
+    `target_cache_dir`."""
     target_cache_dir: str | None = None
-    """Where the stage's target cache (top-m distributions, or states) lives (null: `target_cache/` in the stage's
-    folder). Stages given one folder share one cache:
-    it is keyed by the target's weights, the tokenizer, the tokenised data and m, reused when they match and rebuilt
-    when they do not (a pipeline hands the distill step's folder to the adaspec step: one target pass for both)."""
-    cache_target_states: str | None = None
-    """For a draft kind that reads the target's hidden states (draft=eagle3): cache them once (train and validation,
-    at fit start, in `target_cache_dir`) as bfloat16, float16 or float32 (exact, twice the size), and never run the
-    target's body in training (null: off); large, see specdistill/data/target_states.py."""
+    """Where the stage's target cache lives (null: `target_cache/` in the stage's folder). Stages given one folder
+    share one cache: it is keyed by the target's weights, the tokenizer, the tokenised data and m (or the layers and
+    dtype), reused when they match and rebuilt when they do not (a pipeline hands the distill step's folder to the
+    adaspec step: one target pass for both)."""
     select_best: str | None = None
     """A validation metric (e.g. val/expected_acceptance): export the best validation epoch (optimal-epoch regime)."""
     init: str | None = None
@@ -240,18 +242,13 @@ class DistillSettings(TaskTrainingSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_count(self.group, "cached_target", self.cached_target, minimum=0, optional=True)
-        if self.cache_target_states not in (None, "bfloat16", "float16", "float32"):
-            raise ConfigError(
-                f"{self.group}.cache_target_states={self.cache_target_states!r} must be null (off), bfloat16, float16 "
-                "or float32 (the stored states' precision)"
-            )
-        if self.cache_target_states and self.cached_target:
-            raise ConfigError(
-                f"{self.group}.cache_target_states and {self.group}.cached_target={self.cached_target} are two "
-                "target caches: the states for a kind that reads them (draft=eagle3), the top-m distributions for "
-                "one that does not; set one"
-            )
+        source_from_setting(self.group, self.target_cache)  # refuses a value that names no source
+
+    def target_source(self, kind: Any) -> TargetSource:
+        """The source `target_cache` names, checked against the draft `kind` (`TargetSource.check_kind`)."""
+        source = source_from_setting(self.group, self.target_cache)
+        source.check_kind(kind)
+        return source
 
     def target_cache_path(self, out_dir: Path) -> Path:
         """The target cache's directory for a stage writing to `out_dir`."""
