@@ -17,7 +17,8 @@
   (`Eagle3Speculator`, `specdistill.drafts.eagle3.export`), naming the target it was built on as its verifier.
 - `load`: needs the loaded target (`load_draft(..., target=...)`, which evaluate, rollout and acceptance_head
   pass), whose input embeddings the head attaches, and refuses in one line a target the head does not fit (another
-  hidden size or vocabulary, too few layers for its `aux_layer_ids`); `proposer`: an `Eagle3Proposer`.
+  hidden size or vocabulary, too few layers for its `aux_layer_ids`); `proposer`: an `Eagle3Proposer`, the proposer
+  of every head on the target's states (`specdistill.drafts.target_heads`).
 - heads trained elsewhere, without our record: `Eagle3.from_layout(path)` recognises an EAGLE-3 head in the layout
   vLLM and SGLang read (SpecForge's and SafeAILab/EAGLE's `LlamaForCausalLMEagle3`, vLLM's other names for its Llama
   EAGLE-3 head) or in vLLM's `speculators` layout (`speculators_model_type: eagle3`), and `load` reads it: its tensors
@@ -39,7 +40,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
@@ -51,7 +52,7 @@ from specdistill.drafts.base import (
     TrainingRows,
     target_states,
 )
-from specdistill.drafts.eagle3.export import export_speculators, verifier_of
+from specdistill.drafts.eagle3.export import export_speculators
 from specdistill.drafts.eagle3.foreign import WEIGHTS_FILE, one_line, read_foreign_head
 from specdistill.drafts.eagle3.model import (
     Eagle3Config,
@@ -61,6 +62,7 @@ from specdistill.drafts.eagle3.model import (
     eagle3_config_for,
 )
 from specdistill.drafts.eagle3.proposer import Eagle3Proposer
+from specdistill.drafts.target_heads.export import verifier_of, write_checkpoint
 from specdistill.errors import ConfigError, InputFileError
 from specdistill.export.hf import umask_modes
 from specdistill.losses.rows import GatheredLogitRows, HiddenRows
@@ -323,14 +325,9 @@ class Eagle3(DraftKind):
         metadata: dict[str, Any] | None = None,
     ) -> Path:
         """vLLM's and SGLang's EAGLE-3 layout (see the module docstring), the tokenizer and this kind's record."""
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        state = {name: tensor.detach().cpu().contiguous() for name, tensor in draft.state_dict().items()}
-        save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-        (out / "config.json").write_text(
-            json.dumps(export_config(draft.config, tokenizer, draft), indent=2) + "\n"
+        out = write_checkpoint(
+            Path(out_dir), draft.state_dict(), export_config(draft.config, tokenizer, draft), tokenizer
         )
-        tokenizer.save_pretrained(out)
         verifier, architectures = self.verifier
         export_speculators(
             draft, out / SPECULATORS_DIR, verifier, tokenizer, verifier_architectures=architectures
