@@ -1,7 +1,6 @@
 """Heads on the target's hidden states share one proposer and one export: a head of another architecture than
 EAGLE-3 (test-only, below) implements `TargetStateHead` and drafts through `TargetHeadProposer` in the engine,
-losslessly, and writes its checkpoint through the same export helpers; EAGLE-3's head implements the same
-protocol."""
+losslessly; EAGLE-3's head implements the same protocol; a kind is resolved against its target without changing."""
 
 from __future__ import annotations
 
@@ -17,9 +16,11 @@ from torch import nn
 
 from specdistill.decoding.engine import SpeculativeDecoder, autoregressive
 from specdistill.decoding.toy import toy_pair
+from specdistill.drafts.eagle3.kind import Eagle3
 from specdistill.drafts.eagle3.proposer import Eagle3Proposer
 from specdistill.drafts.target_heads import TargetHeadProposer, TargetStateHead
 from specdistill.drafts.target_heads.export import speculators_record, verifier_of, write_checkpoint
+from specdistill.errors import ConfigError
 from tests.test_eagle3 import tiny_head, tiny_target
 from tests.test_engine import GREEDY, V, _all_policies, _prompts
 from tests.threads import one_thread_per_module  # noqa: F401  (autouse fixture)
@@ -169,3 +170,27 @@ def test_a_heads_checkpoint_and_speculators_record_are_written_whatever_the_head
     assert record["speculators_config"]["algorithm"] == "recurrent"
     assert record["speculators_config"]["verifier"] == {"name_or_path": None, "architectures": []}
     assert record["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+
+
+# ---------------------------------------------------------------------------------------------- resolving a kind
+
+
+def test_a_kind_is_resolved_against_its_target_into_a_new_kind_and_never_changed():
+    target = tiny_target("llama", num_hidden_layers=8)
+    kind = Eagle3(draft_vocab_size=16, ttt_steps=2)
+    before = (kind.settings(), kind.target_layers, kind.verifier)
+    resolved = kind.resolve(target)
+    assert resolved is not kind and resolved.aux_layer_ids == (2, 4, 5)  # vLLM's default for 8 layers
+    assert resolved.target_layers == (2, 4, 5) and resolved.verifier == verifier_of(target)
+    assert resolved.settings() == {**kind.settings(), "aux_layer_ids": [2, 4, 5]}
+    assert resolved.resolve(target).settings() == resolved.settings()
+    head = kind.build(target, vocab_size=V)
+    assert head.config.aux_layer_ids == (2, 4, 5)
+    assert kind.loaded_kind(head, target).settings() == resolved.settings()
+    assert (
+        kind.settings(),
+        kind.target_layers,
+        kind.verifier,
+    ) == before  # build and resolve left it as it was
+    with pytest.raises(ConfigError, match="aux_layer_ids"):
+        Eagle3(aux_layer_ids=[1, 2, 8]).resolve(target)
