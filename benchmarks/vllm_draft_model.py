@@ -186,7 +186,7 @@ def main() -> int:
             from hydra.utils import instantiate
 
             folders = {"untrained": Path(tmp) / "untrained", **folders}
-            kind = instantiate(cfg.draft)
+            kind = instantiate(cfg.draft).resolve(target)
             kind.export(kind.build(target, vocab), tokenizer, folders["untrained"])
         print(f"{len(prompts)} prompts, {args.max_new_tokens} tokens each, K = {args.k}, greedy")
         for name, folder in folders.items():

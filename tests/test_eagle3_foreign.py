@@ -173,7 +173,9 @@ def test_a_head_in_the_vllm_layout_loads_and_drafts_as_the_original(
     assert kind.aux_layer_ids == (None if layout.get("aux") is False else AUX)
     loaded = kind.load(ModelSpec(pretrained_model_name_or_path=str(path)), vocab, target)
     assert_same_head(loaded, head, target)
-    assert kind.target_layers == AUX  # what the stages fetch from the target for it
+    # loading does not change the kind; the loaded head's kind fuses what the stages fetch from the target for it
+    assert kind.aux_layer_ids == (None if layout.get("aux") is False else AUX)
+    assert kind.loaded_kind(loaded, target).target_layers == AUX
     # drafting with it in the engine is lossless: greedy output is the target's, token for token
     prompt = [3, 7, 1, 9, 4]
     reference = autoregressive(target, prompt, 12, GREEDY, None, vocab).tokens
@@ -201,11 +203,12 @@ def test_the_speculators_layout_loads_and_drafts_as_the_original(tmp_path, token
     assert kind.norm_before_residual is True and kind.aux_layer_ids is None
     loaded = kind.load(ModelSpec(pretrained_model_name_or_path=str(copy)), vocab, target)
     assert loaded.config.norm_before_residual is True and loaded.config.aux_layer_ids == AUX
-    # a kind of default settings takes the settings of the head it loads
+    # the kind of a head that a kind of default settings loads takes the head's settings
     fresh = Eagle3()
-    fresh.load(ModelSpec(pretrained_model_name_or_path=str(copy)), vocab, target)
-    assert fresh.settings() == {"draft_vocab_size": DRAFT_V, "aux_layer_ids": list(AUX), "ttt_steps": 7,
-                                "step_weight": 0.8, "norm_before_residual": True}  # fmt: skip
+    loaded = fresh.load(ModelSpec(pretrained_model_name_or_path=str(copy)), vocab, target)
+    assert fresh.loaded_kind(loaded, target).settings() == {"draft_vocab_size": DRAFT_V, "aux_layer_ids": list(AUX),
+                                "ttt_steps": 7, "step_weight": 0.8, "norm_before_residual": True}  # fmt: skip
+    assert fresh.settings() == Eagle3().settings()  # loading does not change the kind
 
 
 def test_our_own_export_is_recognised_too_and_read_from_its_record(tokenizer, target, head, export):

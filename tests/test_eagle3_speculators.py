@@ -19,8 +19,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdistill.data.arith_tokenizer import arith_tokenizer
-from specdistill.drafts.eagle3.export import export_speculators, verifier_of
+from specdistill.drafts.eagle3.export import export_speculators
 from specdistill.drafts.eagle3.model import DraftVocabulary, Eagle3Cache, Eagle3Head
+from specdistill.drafts.target_heads.export import verifier_of
 from tests.helpers import ROOT
 from tests.test_eagle3 import AUX, DRAFT_V, V, fused_states, tiny_head, tiny_target
 from tests.threads import one_thread_per_module  # noqa: F401  (autouse fixture)

@@ -74,7 +74,8 @@ def trained_head(target: torch.nn.Module, sequences: torch.Tensor, vocab: int, s
     torch.manual_seed(0)
     labels = sequences.clone()
     labels[:, :PROMPT_LENGTH] = -100
-    kind = Eagle3(draft_vocab_size=128, ttt_steps=3)  # vLLM's default aux layers, (2, 4, 5) of 8
+    # vLLM's default aux layers, (2, 4, 5) of 8, fixed for this target
+    kind = Eagle3(draft_vocab_size=128, ttt_steps=3).resolve(target)
     head = kind.build(target, vocab)
     head.set_vocabulary(draft_vocabulary(answer_token_counts(labels.tolist(), vocab), 128))
     optimizer = torch.optim.AdamW(head.parameters(), lr=3e-3)

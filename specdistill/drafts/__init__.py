@@ -90,4 +90,5 @@ def load_draft(
         )
     path = spec.pretrained_model_name_or_path
     kind = exported_kind(path)
-    return LoadedDraft(kind, kind.load(spec, vocab_size, target), source=path)
+    model = kind.load(spec, vocab_size, target)
+    return LoadedDraft(kind.loaded_kind(model, target), model, source=path)

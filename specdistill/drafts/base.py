@@ -135,6 +135,11 @@ class DraftKind:
     model and the engine drafts with the model itself. A kind whose draft is something else (a head reading the
     target's hidden states: it sets `target_layers`) overrides them. A kind's constructor arguments are its settings
     (`conf/draft/<kind>.yaml`); `settings()` returns those that an export needs to be loaded again.
+
+    A kind is immutable: no method changes it. A setting left to the target (EAGLE-3's `aux_layer_ids` None: the
+    target's default layers) is fixed by `resolve(target)`, which returns a new kind, resolved once when a stage has
+    loaded the target and read from then on (its `target_layers`, its export's record); the kind of a loaded export
+    is `loaded_kind(draft, target)`.
     """
 
     target_layers: tuple[int, ...] = ()
@@ -167,6 +172,16 @@ class DraftKind:
             f"export ({export}) yet: use a standalone (no draft= override) or cut_layers draft for init and "
             "stage=sequential"
         )
+
+    def resolve(self, target: nn.Module | None) -> DraftKind:
+        """This kind for `target` (the loaded frozen target, None in stages without one): a new kind whose settings
+        that depend on the target are fixed, this one unchanged. A kind with none returns itself (the default)."""
+        return self
+
+    def loaded_kind(self, draft: nn.Module, target: nn.Module | None) -> DraftKind:
+        """The kind of `draft`, which `load` read for `target` (what `load_draft` returns beside it): by default
+        `resolve(target)`; a kind whose export holds settings of its own (an EAGLE-3 head's shape) takes them."""
+        return self.resolve(target)
 
     def build(self, target: nn.Module | None, vocab_size: int, pure_bf16: bool = False) -> nn.Module:
         """The trainable draft a training stage starts from, with fp32 weights (bfloat16 under `pure_bf16`).

@@ -246,6 +246,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     if source in (ReferenceSource.CACHED, ReferenceSource.ONLINE):
         specs["reference"] = reference_spec
     tokenizer, models, vocab_size = load_models(cfg, specs, drafts=dict.fromkeys(TRAINED_ROLES, kind))
+    kind = kind.resolve(models["target"])  # what it leaves to the target, fixed once (DraftKind.resolve)
     datamodule = training_datamodule(cfg, tokenizer, settings, trainer_cfg)
     kind.prepare(models["draft"], datamodule)
     if source is ReferenceSource.KIND:

@@ -37,6 +37,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     kind = draft_kind(cfg, settings.init)
     specs = {"target": model_spec(cfg.models.target)}
     tokenizer, models, vocab_size = load_models(cfg, specs, drafts=dict.fromkeys(TRAINED_ROLES, kind))
+    kind = kind.resolve(models["target"])  # what it leaves to the target, fixed once (DraftKind.resolve)
     datamodule = training_datamodule(cfg, tokenizer, settings, trainer_cfg)
     kind.prepare(models["draft"], datamodule)
     source = settings.target_source(kind)

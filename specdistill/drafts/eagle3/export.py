@@ -7,27 +7,24 @@ with the verifier it names). The layout mirrors what speculators' own `save_pret
 (`speculators/convert/eagle/eagle3_converter.py`, which renames SpecForge's `midlayer.*` to `layers.0.*`) write; this
 module does not import speculators (it pins an older transformers: tests/speculators_env.sh). A speculators EAGLE-3
 head without our record (ours or one trained with speculators) is read back by `specdistill.drafts.eagle3`
-(`Eagle3.from_layout`, `read_foreign_head`) through `our_key` and the constants below.
+(`Eagle3.from_layout`, `read_foreign_head`) through `our_key` and the constants below. What any head on the target's
+states writes the same way (the checkpoint's files, the verifier, speculators' common fields) is
+`specdistill.drafts.target_heads.export`'s.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from specdistill.drafts.eagle3.model import Eagle3Config, Eagle3Head
+from specdistill.drafts.target_heads.export import speculators_record, write_checkpoint
 from specdistill.export.hf import umask_modes
 
-SPECULATORS_VERSION = (
-    "0.9.0"  # the release whose layout this writes (tests/test_eagle3_speculators.py loads it)
-)
 ARCHITECTURE = "Eagle3Speculator"  # Eagle3SpeculatorConfig's default `architectures`
-WEIGHTS_FILE = "model.safetensors"
 LAYER_PREFIX = "layers.0."  # speculators' decoder layers; our one `midlayer` is its first (and only) layer
 MODEL_TYPE = "eagle3"  # `speculators_model_type`, the field vLLM recognises a speculators checkpoint by
 # the verifier's tensors a speculators model holds beside the head (model.py `_load_verifier_weights`: its final norm
@@ -99,35 +96,15 @@ def export_speculators(
         ValueError: the head has a shape or draft vocabulary that speculators cannot represent, or
             `with_embeddings` and no embeddings attached.
     """
-    config = head.config
     check_representable(head)
     state = speculators_state_dict(head, with_embeddings)
     dtype = str(head.fc.weight.dtype).removeprefix("torch.")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     record = speculators_config(
-        config, verifier, tokenizer, dtype, verifier_architectures, speculative_tokens
+        head.config, verifier, tokenizer, dtype, verifier_architectures, speculative_tokens
     )
-    (out / "config.json").write_text(json.dumps(record, indent=2) + "\n")
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
+    out = write_checkpoint(Path(out_dir), state, record, tokenizer)
     umask_modes(out)
     return out
-
-
-def verifier_of(target: torch.nn.Module) -> tuple[str | None, list[str]]:
-    """`(verifier, verifier_architectures)` for `export_speculators` from the loaded target: the hub id or directory
-    transformers' `from_pretrained` loaded it from (its `name_or_path`; a local directory made absolute, so that the
-    export names it from anywhere), None for a target built from a config; its config's `architectures`."""
-    name = getattr(target, "name_or_path", None) or getattr(
-        getattr(target, "config", None), "_name_or_path", None
-    )
-    if name:
-        local = Path(name).expanduser()
-        name = str(local.resolve()) if local.exists() else str(name)
-    architectures = getattr(getattr(target, "config", None), "architectures", None) or []
-    return name or None, list(architectures)
 
 
 def check_representable(head: Eagle3Head) -> None:
@@ -221,17 +198,9 @@ def speculators_config(
     verifier_architectures: Sequence[str] = (),
     speculative_tokens: int = 3,
 ) -> dict[str, Any]:
-    """The `config.json` of the export (see `export_speculators`)."""
-    if (
-        isinstance(speculative_tokens, bool)
-        or not isinstance(speculative_tokens, int)
-        or speculative_tokens < 1
-    ):
-        raise ValueError(f"speculative_tokens={speculative_tokens!r} must be an int >= 1")
-    return {
-        "architectures": [ARCHITECTURE],
-        "speculators_model_type": MODEL_TYPE,
-        "speculators_version": SPECULATORS_VERSION,
+    """The `config.json` of the export (see `export_speculators`): speculators' fields of an EAGLE-3 head in
+    `speculators_record`."""
+    fields = {
         "transformer_layer_config": transformer_layer_config(config, tokenizer, dtype),
         "draft_vocab_size": config.draft_vocab_size,
         "norm_before_residual": config.norm_before_residual,
@@ -245,17 +214,7 @@ def speculators_config(
         "embed_requires_grad": False,
         "tie_word_embeddings": False,
         "dtype": dtype,
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": speculative_tokens,
-                    "verifier_accept_k": 1,
-                    "accept_tolerance": 0.0,
-                }
-            ],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)},
-        },
     }
+    return speculators_record(
+        MODEL_TYPE, ARCHITECTURE, fields, verifier, verifier_architectures, speculative_tokens
+    )

@@ -2,8 +2,10 @@
 
 `python train.py stage=distill draft=eagle3` trains an `Eagle3Head` through `DistillModule`:
 
-- `build`: the head's shape from the target's config, the target's input embeddings attached (frozen, shared, never
-  exported); `prepare` sets the draft vocabulary to the `draft_vocab_size` most frequent answer tokens of the
+- `resolve`: the kind for a target, a new kind (a kind is never changed): its fused layers (`aux_layer_ids`, the
+  target's default when none are set) and the target it names as verifier, what the stages and the export read;
+- `build`: the head's shape from the target's config (the layers `resolve` fixes), the target's input embeddings
+  attached (frozen, shared, never exported); `prepare` sets the draft vocabulary to the `draft_vocab_size` most frequent answer tokens of the
   training split (ties by id), so the vocabulary is a function of the task's training data only.
 - `training_rows`: training-time test. The head is unrolled on its own outputs for `ttt_steps` steps
   (`Eagle3Head.unroll`); step `j`'s rows are every answer position, scored by the head's chain of `j` own steps
@@ -17,7 +19,9 @@
   (`Eagle3Speculator`, `specdistill.drafts.eagle3.export`), naming the target it was built on as its verifier.
 - `load`: needs the loaded target (`load_draft(..., target=...)`, which evaluate, rollout and acceptance_head
   pass), whose input embeddings the head attaches, and refuses in one line a target the head does not fit (another
-  hidden size or vocabulary, too few layers for its `aux_layer_ids`); `proposer`: an `Eagle3Proposer`.
+  hidden size or vocabulary, too few layers for its `aux_layer_ids`), and `loaded_kind` is the kind of the head it
+  read; `proposer`: an `Eagle3Proposer`, the proposer of every head on the target's states
+  (`specdistill.drafts.target_heads`).
 - heads trained elsewhere, without our record: `Eagle3.from_layout(path)` recognises an EAGLE-3 head in the layout
   vLLM and SGLang read (SpecForge's and SafeAILab/EAGLE's `LlamaForCausalLMEagle3`, vLLM's other names for its Llama
   EAGLE-3 head) or in vLLM's `speculators` layout (`speculators_model_type: eagle3`), and `load` reads it: its tensors
@@ -33,13 +37,13 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
@@ -51,16 +55,19 @@ from specdistill.drafts.base import (
     TrainingRows,
     target_states,
 )
-from specdistill.drafts.eagle3.export import export_speculators, verifier_of
+from specdistill.drafts.eagle3.export import export_speculators
 from specdistill.drafts.eagle3.foreign import WEIGHTS_FILE, one_line, read_foreign_head
 from specdistill.drafts.eagle3.model import (
     Eagle3Config,
     Eagle3Head,
     answer_token_counts,
+    check_aux_layer_ids,
+    default_aux_layer_ids,
     draft_vocabulary,
     eagle3_config_for,
 )
 from specdistill.drafts.eagle3.proposer import Eagle3Proposer
+from specdistill.drafts.target_heads.export import verifier_of, write_checkpoint
 from specdistill.errors import ConfigError, InputFileError
 from specdistill.export.hf import umask_modes
 from specdistill.losses.rows import GatheredLogitRows, HiddenRows
@@ -123,12 +130,19 @@ class TargetVocabularyHead:
 class Eagle3(DraftKind):
     """The draft is an EAGLE-3 head (`conf/draft/eagle3.yaml`).
 
+    A kind is never changed by its methods: `resolve(target)` returns the kind with what it leaves to the target
+    fixed (`aux_layer_ids` None becomes the target's default, `verifier` names the target), which the stages read
+    once the target is loaded and an export records; `loaded_kind` the kind of a head `load` read.
+
     Args:
         draft_vocab_size: tokens of the draft vocabulary (capped at the tokenizer's vocabulary).
-        aux_layer_ids: the three target states fused (output_hidden_states indices); None: `(2, L // 2, L - 3)`.
+        aux_layer_ids: the three target states fused (output_hidden_states indices); None: `(2, L // 2, L - 3)`,
+            fixed by `resolve`.
         ttt_steps: training-time-test steps (>= 1).
         step_weight: loss weight ratio between consecutive steps (step `j` weighs `step_weight ** j`).
         norm_before_residual: the head's residual is the normed input (SpecForge's option); exported as stated.
+        verifier: `(name_or_path, architectures)` of the target the head drafts for, which the `speculators` export
+            names (`verifier_of`); None: not known (`resolve` sets it).
     """
 
     reads_target = True
@@ -153,6 +167,8 @@ class Eagle3(DraftKind):
         ttt_steps: int = 7,
         step_weight: float = 0.8,
         norm_before_residual: bool = False,
+        *,
+        verifier: tuple[str | None, Sequence[str]] | None = None,
     ) -> None:
         if (
             isinstance(draft_vocab_size, bool)
@@ -170,9 +186,46 @@ class Eagle3(DraftKind):
         self.step_weight = float(step_weight)
         self.norm_before_residual = bool(norm_before_residual)
         # where the target came from (path or hub id, architectures): the speculators export names it as verifier
-        self.verifier: tuple[str | None, list[str]] = (None, [])
-        if self.aux_layer_ids is not None:
-            self.target_layers = self.aux_layer_ids
+        name, architectures = verifier if verifier is not None else (None, [])
+        self.verifier: tuple[str | None, list[str]] = (name, list(architectures))
+
+    @property
+    def target_layers(self) -> tuple[int, ...]:  # type: ignore[override]
+        """The target states the stages fetch for the head: `aux_layer_ids`, none before `resolve` fixes them."""
+        return () if self.aux_layer_ids is None else self.aux_layer_ids
+
+    def resolve(self, target: nn.Module | None) -> Eagle3:
+        """This kind for `target`: `aux_layer_ids` the given ones or the target's default (`(2, L // 2, L - 3)`),
+        checked against its depth, and `verifier` naming it; the other settings unchanged.
+
+        Raises:
+            ConfigError: the fused layers are not three increasing states entering the target's decoder layers.
+        """
+        if target is None:
+            raise ValueError(
+                "an EAGLE-3 head reads the target's hidden states: this stage loads no target model"
+            )
+        layers = int(target.config.get_text_config(decoder=True).num_hidden_layers)
+        ids = default_aux_layer_ids(layers) if self.aux_layer_ids is None else self.aux_layer_ids
+        try:
+            ids = check_aux_layer_ids(ids, layers)
+        except ValueError as error:
+            raise ConfigError(str(error)) from error
+        return Eagle3(**{**self.settings(), "aux_layer_ids": list(ids)}, verifier=verifier_of(target))
+
+    def loaded_kind(self, draft: nn.Module, target: nn.Module | None) -> Eagle3:
+        """The kind of the head `draft` that `load` read for `target`: the head's draft vocabulary, fused layers
+        and `norm_before_residual` (a kind with default settings that loaded a head trained with others takes the
+        head's), this kind's training settings, the target as verifier."""
+        config = draft.config
+        return Eagle3(
+            draft_vocab_size=config.draft_vocab_size,
+            aux_layer_ids=list(config.aux_layer_ids),
+            ttt_steps=self.ttt_steps,
+            step_weight=self.step_weight,
+            norm_before_residual=config.norm_before_residual,
+            verifier=verifier_of(target),
+        )
 
     def settings(self) -> dict[str, Any]:
         return {
@@ -186,11 +239,9 @@ class Eagle3(DraftKind):
     # -- building and training
 
     def build(self, target: nn.Module | None, vocab_size: int, pure_bf16: bool = False) -> nn.Module:
-        """A random head shaped for `target`, its draft vocabulary the first ids until `prepare` sets it."""
-        if target is None:
-            raise ValueError(
-                "an EAGLE-3 head reads the target's hidden states: this stage loads no target model"
-            )
+        """A random head shaped for `target` (fusing the layers `resolve(target)` fixes), its draft vocabulary the
+        first ids until `prepare` sets it."""
+        resolved = self.resolve(target)
         embeddings = target.get_input_embeddings()
         size = min(self.draft_vocab_size, vocab_size)
         if size < self.draft_vocab_size:
@@ -198,13 +249,13 @@ class Eagle3(DraftKind):
                 "draft.draft_vocab_size=%d capped at the tokenizer's %d tokens", self.draft_vocab_size, size
             )
         try:
-            config = eagle3_config_for(target.config, embeddings.weight.shape[0], size, self.aux_layer_ids)
+            config = eagle3_config_for(
+                target.config, embeddings.weight.shape[0], size, resolved.aux_layer_ids
+            )
         except ValueError as error:
             raise ConfigError(str(error)) from error
         config = Eagle3Config(**{**config.to_dict(), "norm_before_residual": self.norm_before_residual})
-        self.aux_layer_ids = self.target_layers = config.aux_layer_ids
         head = Eagle3Head(config)
-        self.verifier = verifier_of(target)
         head.to(device=embeddings.weight.device, dtype=torch.bfloat16 if pure_bf16 else torch.float32)
         head.attach_embeddings(embeddings)
         head.train()
@@ -323,14 +374,9 @@ class Eagle3(DraftKind):
         metadata: dict[str, Any] | None = None,
     ) -> Path:
         """vLLM's and SGLang's EAGLE-3 layout (see the module docstring), the tokenizer and this kind's record."""
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        state = {name: tensor.detach().cpu().contiguous() for name, tensor in draft.state_dict().items()}
-        save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-        (out / "config.json").write_text(
-            json.dumps(export_config(draft.config, tokenizer, draft), indent=2) + "\n"
+        out = write_checkpoint(
+            Path(out_dir), draft.state_dict(), export_config(draft.config, tokenizer, draft), tokenizer
         )
-        tokenizer.save_pretrained(out)
         verifier, architectures = self.verifier
         export_speculators(
             draft, out / SPECULATORS_DIR, verifier, tokenizer, verifier_architectures=architectures
@@ -400,11 +446,6 @@ class Eagle3(DraftKind):
         head.to(dtype=spec.torch_dtype)
         head.attach_embeddings(target.get_input_embeddings())
         head.to(target.get_input_embeddings().weight.device)
-        # the kind describes the head it loaded (a kind built with defaults, for a head without our record, included)
-        self.aux_layer_ids = self.target_layers = config.aux_layer_ids
-        self.draft_vocab_size = config.draft_vocab_size
-        self.norm_before_residual = config.norm_before_residual
-        self.verifier = verifier_of(target)
         return head.eval()
 
     def proposer(self, model: nn.Module, vocab_size: int) -> nn.Module:

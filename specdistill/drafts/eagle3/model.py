@@ -384,6 +384,30 @@ class Eagle3Head(nn.Module):
         with torch.no_grad():
             return self._embeddings[0](ids).to(self.fc.weight.dtype)
 
+    # -- the protocol of a head on the target's states (`specdistill.drafts.target_heads.head.TargetStateHead`)
+
+    @property
+    def target_layers(self) -> tuple[int, ...]:
+        """The target states the head fuses, its `aux_layer_ids`."""
+        return self.config.aux_layer_ids
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    def new_cache(self) -> Eagle3Cache:
+        return Eagle3Cache()
+
+    def step(
+        self, tokens: torch.Tensor, inputs: torch.Tensor, positions: torch.Tensor, cache: Eagle3Cache
+    ) -> Eagle3Output:
+        """Decoding: `forward` on the embeddings of `tokens` (`(1, t)`); the other arguments are `forward`'s."""
+        return self(self.embed(tokens), inputs, positions, cache)
+
     # -- forward passes
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
