@@ -276,9 +276,8 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         kind=kind,
         target_states=training.states,
     )
-    del (
-        training
-    )  # its `frozen` holder would keep the target in memory after the cache's fit-start pass releases it
+    # its `frozen` holder would keep the target in memory after the cache's fit-start pass releases it
+    del training
     report = SelectionReport(tokenizer=tokenizer, output_dir=str(out_dir))
     trainer = build_trainer(cfg, "adaspec", out_dir, trainer_cfg, [report], select_best=settings.select_best)
     reference_name = f"self ({selector.self_reference})" if self_referencing else settings.reference

@@ -54,9 +54,8 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         kind=kind,
         target_states=training.states,
     )
-    del (
-        training
-    )  # its `frozen` holder would keep the target in memory after the cache's fit-start pass releases it
+    # its `frozen` holder would keep the target in memory after the cache's fit-start pass releases it
+    del training
     trainer = build_trainer(cfg, "distill", out_dir, trainer_cfg, select_best=settings.select_best)
     metadata = {"stage": "distill", "task": cfg.task.name}
     trained = train_and_export(trainer, module, datamodule, tokenizer, out_dir, metadata)
