@@ -16,6 +16,11 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["WANDB_MODE"] = "offline"
 os.environ["WANDB_SILENT"] = "true"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One OpenMP thread in this process and in every process a test starts (train.py, ranks, vLLM): the tests run tiny
+# models beside another xdist worker on a 2-core machine, and a second thread per process only spins in libgomp's
+# barriers waiting for a core the other worker holds (a train.py pipeline spent 3/4 of its samples there). Set
+# before torch is imported; a test that wants more threads sets them itself (tests/test_output_rows.py).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:

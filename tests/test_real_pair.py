@@ -126,12 +126,16 @@ def test_a_short_pipeline_on_the_real_pair_runs_through_train_py(tmp_path, local
     the hub's), shrunk to a few prompts and one optimizer step per stage: the target answers stdlib prompts, both
     drafts distil from those answers (one target cache), rollouts label them, heads train, evaluation decodes a
     HumanEval prompt losslessly, and the diagnostics compare the two drafts on the validation answers."""
+    from specdistill.tasks.stdlib_code import stdlib_dir
     from tests.helpers import check_ok, run_train
 
     run = tmp_path / "run"
+    # the functions of one stdlib package (asyncio: 16 train, 3 validation, short prompts) instead of the whole
+    # library: every step builds the task again and reading all of it is ~15 s each time; the same reader, splits
+    # and steps run, on prompts half as long
     check_ok(run_train(
         ["experiment=smollm2_stdlib", f"models.source={local_pair_dir}", "models.gguf_file=null",
-         "task.max_examples.train=6", "task.max_examples.validation=2",
+         f"task.root={stdlib_dir() / 'asyncio'}", "task.max_examples.train=6", "task.max_examples.validation=2",
          "target_answers.max_new_tokens=8", "trainer.max_steps=1", "distill.batch_size=2", "adaspec.batch_size=2",
          "rollout.num_prompts=2", "rollout.max_new_tokens=4", "acceptance_head.trainer.max_epochs=1",
          "acceptance_head.batch_size=2", "evaluate.num_prompts=1", "evaluate.selection_prompts=1",

@@ -17,6 +17,7 @@ from specdistill.errors import ConfigError
 from specdistill.stages.model_loading import draft_kind
 from specdistill.stages.sequential import forgetting_of, forgetting_table, headline_numbers, phase_config
 from specdistill.stages.settings import build_settings
+from specdistill.tasks.stdlib_code import stdlib_dir
 from specdistill.utils.cluster import DEBUG_SIGNAL_ENV, PREEMPTED_EXIT_CODE
 from tests.helpers import ROOT
 
@@ -126,6 +127,9 @@ def test_bad_phases_are_refused_naming_the_key(override, message):
 SMALL = [
     "stage=sequential",
     *(f"sequential.tasks.{t}.max_examples.{s}={n}" for t in ("code", "math") for s, n in (("train", 24), ("validation", 4))),
+    # the code task reads one stdlib package (asyncio: 13 train and 3 validation functions of <= 400 characters),
+    # not the whole library, which each step and each measurement reads again with ast (~15 s a time)
+    f"sequential.tasks.code.root={stdlib_dir() / 'asyncio'}",
     "sequential.max_examples=4",
     "sequential.max_length=96",
     "models.target.config.hidden_size=32",
