@@ -40,13 +40,31 @@ def _remove_session_cache():
     shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
+# the test files that take longest in CI, longest first (summed from a CI run's `--durations`, 2026-12-06)
+LONGEST_FILES = (
+    "test_real_pair.py",
+    "test_train.py",
+    "test_vllm_backend.py",
+    "test_eagle3_heads.py",
+    "test_resume.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 
-    # the files with end-to-end (`slow`) tests first: `-n 2 --dist loadfile` hands files out in this order, so the
-    # long ones start at once and the short ones fill in at the end instead of one worker finishing a long file alone
+    # the files with end-to-end (`slow`) tests first, the longest of them (by CI's `--durations`) at the head:
+    # `-n 2 --dist loadfile` hands files out in this order, so the long ones start at once and the short ones fill in
+    # at the end instead of one worker finishing a long file alone
     slow_files = {item.path for item in items if "slow" in item.keywords}
-    items.sort(key=lambda item: item.path not in slow_files)
+
+    def order(item: pytest.Item) -> tuple[bool, int]:
+        name = item.path.name
+        return item.path not in slow_files, LONGEST_FILES.index(name) if name in LONGEST_FILES else len(
+            LONGEST_FILES
+        )
+
+    items.sort(key=order)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
