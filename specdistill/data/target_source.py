@@ -45,7 +45,7 @@ class TrainingTarget:
 
 @dataclass(frozen=True)
 class TargetSource:
-    """The live target (the base of the cached sources)."""
+    """Where a stage of `group` reads the target from; the base serves the live target, as `LiveTarget` does."""
 
     group: str = "distill"
 
@@ -66,7 +66,9 @@ class TargetSource:
         return TrainingTarget(target)
 
 
-LiveTarget = TargetSource
+@dataclass(frozen=True)
+class LiveTarget(TargetSource):
+    """The live target, run on every batch (`target_cache: null`)."""
 
 
 @dataclass(frozen=True)
