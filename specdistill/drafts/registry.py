@@ -36,10 +36,11 @@ def builtin_kinds() -> dict[str, type[DraftKind]]:
     """specdistill's own kinds by registry name (the names of `conf/draft/<name>.yaml`)."""
     # imported here: the kinds' modules import specdistill.drafts.base, whose package imports this module
     from specdistill.drafts.cut_layers.kind import CutLayers
+    from specdistill.drafts.dflash.kind import DFlash
     from specdistill.drafts.eagle3.kind import Eagle3
     from specdistill.drafts.standalone.kind import Standalone
 
-    return {"standalone": Standalone, "cut_layers": CutLayers, "eagle3": Eagle3}
+    return {"standalone": Standalone, "cut_layers": CutLayers, "eagle3": Eagle3, "dflash": DFlash}
 
 
 # Registry name of each own kind by the `_target_` that older records wrote: the class paths of that time, fixed
