@@ -46,6 +46,7 @@ from specdistill.drafts.base import (
     TrainingRows,
     target_states,
 )
+from specdistill.drafts.dflash.export import config_from_export, export_config
 from specdistill.drafts.dflash.model import (
     BLOCK_SIZES,
     DFlashConfig,
@@ -64,8 +65,6 @@ from specdistill.models.loading import ModelSpec
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURE = "DFlashDraftModel"  # what vLLM's registry maps to its qwen3_dflash model
-RECORD_KEY = "specdistill_dflash"  # our full shape in config.json (`config_from_export`)
 ANCHORS_PER_PASS = 64  # blocks per drafter pass in `teacher_forced` and `chain_candidates`
 
 
@@ -406,64 +405,6 @@ def select_rows(rows: HiddenRows | SparseRows, index: torch.Tensor) -> HiddenRow
     if isinstance(rows, SparseRows):
         return SparseRows(rows.log_probs[index], rows.token_ids[index], rows.tail_mass[index])
     raise TypeError(f"a DFlash drafter trains against the target's answer rows, got {type(rows).__name__}")
-
-
-def export_config(drafter: DFlashDrafter, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
-    """The `config.json` vLLM reads (`method: "dflash"`, `qwen3_dflash`): a Qwen3 config of the drafter's layers,
-    `dflash_config` (`mask_token_id`, `target_layer_ids` in DFlash's count, decoder-layer outputs: ours minus one,
-    `block_size`, `causal: false`), every layer's attention stated non-causal and full (`is_causal`, `layer_types`),
-    and `specdistill_dflash`, the drafter's full shape for `config_from_export`."""
-    config = drafter.config
-    dtype = str(next(drafter.parameters()).dtype).removeprefix("torch.")
-    return {
-        "architectures": [ARCHITECTURE],
-        "model_type": "qwen3",
-        "hidden_size": config.hidden_size,
-        "target_hidden_size": config.target_hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_target_layers": len(config.target_layer_ids),
-        "hidden_act": config.hidden_act,
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_parameters": {"rope_theta": config.rope_theta, "rope_type": "default"},
-        "rope_scaling": None,
-        "max_position_embeddings": config.max_position_embeddings,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": False,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "layer_types": ["full_attention"] * config.num_hidden_layers,
-        "is_causal": False,
-        "vocab_size": config.vocab_size,
-        "block_size": config.block_size,
-        "dflash_config": {
-            "mask_token_id": config.mask_token_id,
-            "target_layer_ids": [i - 1 for i in config.target_layer_ids],
-            "block_size": config.block_size,
-            "causal": False,
-        },
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
-        "torch_dtype": dtype,
-        RECORD_KEY: config.to_dict(),
-    }
-
-
-def config_from_export(path: Path) -> DFlashConfig:
-    """The drafter's shape recorded in an export's `config.json`."""
-    config_path = path / "config.json"
-    try:
-        return DFlashConfig(**json.loads(config_path.read_text())[RECORD_KEY])
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
-        raise InputFileError(
-            f"{config_path} is not a specdistill DFlash export's config ({error!r}): re-export the drafter"
-        ) from error
 
 
 def check_fits_target(config: DFlashConfig, target: nn.Module, source: Path) -> None:
