@@ -6,6 +6,11 @@ the embeddings and the output layer from the target when the checkpoint has none
 target's). `target_layer_ids` count decoder-layer outputs there (vLLM adds one to get its auxiliary-state ids), so an
 id here, an `output_hidden_states` index, is written minus one. Causality is stated explicitly (`is_causal`,
 `dflash_config.causal`, `layer_types`), since vLLM's defaults for it depend on which fields a config has.
+
+vLLM reads no block size from the config (`block_size` here is ours): it runs `1 + num_speculative_tokens` block
+positions, and refuses a DFlash drafter without `num_speculative_tokens`. Serve an export with
+`num_speculative_tokens = block_size - 1`, the block it was trained on (a shorter one changes what every position
+sees; tests/test_dflash_vllm.py checks that vLLM then drafts block for block as our engine does).
 """
 
 from __future__ import annotations
