@@ -16,8 +16,11 @@
   draft and the reference block position by block position: `KindReference`); a batch drawn again in a later epoch
   gets the same anchors.
 - `teacher_forced` (rollout labels, acceptance-head inputs): the states of blocks tiled over the sequence, anchored
-  every `block_size - 1` positions, so every token is proposed by exactly one block position, as decoding proposes
-  it when every block is accepted; `chain_candidates` (offline acceptance): a block anchored at every position.
+  every `block_size - 1` positions, so every token after the first is proposed by exactly one block position, each of
+  positions `1 .. block_size - 1` in turn, each block on the target's states before its anchor, as a decoding round
+  drafts its block (decoding's own anchors follow what the target accepts: a fully accepted block and the target's
+  bonus token move the next one `block_size` on); `chain_candidates` (offline acceptance): a block anchored at every
+  position, what decoding drafts after the sequence's own tokens (`specdistill.evaluation.offline`).
 - `export`: the layout vLLM loads with `method: "dflash"` (`export_config`); `load` reads it back on the target;
   `proposer`: a `DFlashProposer`, one block per round.
 """
@@ -280,7 +283,9 @@ class DFlash(DraftKind):
     ) -> DraftStates:
         """Blocks tiled over each sequence, anchored at `0, s, 2 s, ...` (`s = block_size - 1`): the state at position
         `t` is block position `t + 1 - a` of the block anchored at `a` (the one proposing token `t + 1`), after the
-        final norm; the head is the target's output layer."""
+        final norm; the head is the target's output layer. The block anchored at 0 has no context (decoding never
+        drafts one: its first block is anchored at the prompt's end), so only the states of the first
+        `block_size - 1` positions come from a block no decoding round runs."""
         input_ids = batch["input_ids"]
         b, t = input_ids.shape
         stride = draft.config.block_size - 1
