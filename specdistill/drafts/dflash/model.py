@@ -217,6 +217,18 @@ class DFlashCache:
 # ---------------------------------------------------------------------------------------------- the drafter
 
 
+class TargetOutputHead(OutputHead):
+    """The target's output layer on the drafter's states: the states are cast to the layer's dtype first, as `embed`
+    casts the target's embeddings to the drafter's, so an fp32 drafter (as `DFlash.build` makes it) drafts and scores
+    on a bfloat16 target outside autocast (decoding, teacher-forced states)."""
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = getattr(self.layer, "weight", None)
+        if weight is not None and weight.dtype != hidden.dtype and weight.dtype.is_floating_point:
+            hidden = hidden.to(weight.dtype)
+        return super().__call__(hidden)
+
+
 class DFlashDrafter(nn.Module):
     """The DFlash drafter (weights `fc`, `hidden_norm`, `layers.*`, `norm`; the target's input embeddings and output
     layer are attached, frozen, never part of its state)."""
@@ -261,8 +273,9 @@ class DFlashDrafter(nn.Module):
             return self.target.get_input_embeddings()(ids).to(self.fc.weight.dtype)
 
     def output_head(self, vocab_size: int | None) -> OutputHead:
-        """The target's output layer, `(..., H) -> (..., vocab_size)` (frozen)."""
-        return OutputHead(self.target, vocab_size)
+        """The target's output layer, `(..., H) -> (..., vocab_size)` (frozen), on the drafter's states cast to
+        the layer's dtype (`TargetOutputHead`)."""
+        return TargetOutputHead(self.target, vocab_size)
 
     @property
     def target_layers(self) -> tuple[int, ...]:
