@@ -634,6 +634,12 @@ def test_bad_settings_are_refused_naming_the_setting(tmp_path: Path):
     for mask in (V, -1):
         with pytest.raises(ConfigError, match=rf"draft\.mask_token_id={mask} .*{V} input embeddings"):
             DFlash(mask_token_id=mask).resolve(target)
+    padded = tiny_target("llama")
+    with torch.no_grad():
+        padded.get_input_embeddings().weight[V - 1] = 0.0  # a padding row: masked positions would be alike
+    with pytest.raises(ConfigError, match=rf"draft\.mask_token_id={V - 1} is an all-zero row"):
+        DFlash().resolve(padded)
+    assert DFlash(mask_token_id=3).resolve(padded).mask_token_id == 3
     for size in (5, 1, 32):
         with pytest.raises(ConfigError, match=rf"draft\.block_size={size}"):
             DFlash(block_size=size)

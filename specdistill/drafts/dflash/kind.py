@@ -189,6 +189,14 @@ class DFlash(DraftKind):
                 f"draft.mask_token_id={mask} is not a row of this target's {rows} input embeddings: set a token id "
                 "below it, or null for the last row"
             )
+        if not bool(target.get_input_embeddings().weight[mask].detach().any()):
+            # a zero input is normed to zero: every mask position would get the same query, key and value, so every
+            # position of a one-layer drafter would propose the same token, whatever it learns
+            raise ConfigError(
+                f"draft.mask_token_id={mask} is an all-zero row of this target's input embeddings (a padding row): "
+                "the block's masked positions could not be told apart; set draft.mask_token_id to a real token's id "
+                "(a rare one, or the tokenizer's mask or pad token)"
+            )
         settings = {**self.settings(), "target_layer_ids": list(ids), "mask_token_id": mask}
         return DFlash(**settings, verifier=verifier_of(target))
 
