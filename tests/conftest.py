@@ -46,6 +46,7 @@ LONGEST_FILES = (
     "test_train.py",
     "test_vllm_backend.py",
     "test_eagle3_heads.py",
+    "test_dflash_stages.py",
     "test_resume.py",
 )
 
