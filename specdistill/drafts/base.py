@@ -23,7 +23,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from specdistill.errors import ConfigError
-from specdistill.export.hf import export_pretrained
+from specdistill.export.hf import export_pretrained, umask_modes, write_metadata
 from specdistill.losses.rows import HiddenRows, OutputHead, answer_rows, final_hidden_states
 from specdistill.losses.sparse import SparseRows
 from specdistill.models.loading import ModelSpec, load_model
@@ -320,6 +320,14 @@ class DraftKind:
         """The constructor arguments an export of this kind needs to be loaded (plain JSON values, the parameters
         `exported_settings` names); none by default."""
         return {}
+
+    def finish_export(self, out_dir: Path, metadata: dict[str, Any] | None) -> Path:
+        """The end of every export that does not go through `export_pretrained`: `metadata` in `specdistill.json`,
+        this kind's record, and file modes as the user's umask asks (`umask_modes`); returns `out_dir`."""
+        write_metadata(out_dir, metadata)
+        self.write_record(out_dir)
+        umask_modes(out_dir)
+        return out_dir
 
     def write_record(self, out_dir: Path) -> Path:
         """Write `record()` to `<out_dir>/draft_kind.json`; returns its path."""

@@ -28,6 +28,9 @@ def align_special_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerB
     return model
 
 
+METADATA_FILE = "specdistill.json"
+
+
 def umask_modes(directory: Path) -> None:
     """Give `directory` and the files under it the modes the user's umask asks for.
 
@@ -62,7 +65,13 @@ def export_pretrained(
         model.save_pretrained(out, safe_serialization=True)
     model.train(was_training)
     tokenizer.save_pretrained(out)
-    if metadata is not None:
-        (out / "specdistill.json").write_text(json.dumps(metadata, indent=2, default=str))
+    write_metadata(out, metadata)
     umask_modes(out)
     return out
+
+
+def write_metadata(out_dir: Path, metadata: dict[str, Any] | None) -> None:
+    """Write `metadata` (where an export came from: stage, source models, settings) to `<out_dir>/specdistill.json`;
+    nothing when None."""
+    if metadata is not None:
+        (Path(out_dir) / METADATA_FILE).write_text(json.dumps(metadata, indent=2, default=str))

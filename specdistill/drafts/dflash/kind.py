@@ -27,7 +27,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import zlib
@@ -61,7 +60,6 @@ from specdistill.drafts.dflash.model import (
 from specdistill.drafts.dflash.proposer import DFlashProposer
 from specdistill.drafts.target_heads.export import WEIGHTS_FILE, verifier_of, write_checkpoint
 from specdistill.errors import ConfigError, InputFileError
-from specdistill.export.hf import umask_modes
 from specdistill.losses.rows import HiddenRows
 from specdistill.losses.sparse import SparseRows
 from specdistill.models.loading import ModelSpec
@@ -354,11 +352,7 @@ class DFlash(DraftKind):
     ) -> Path:
         """vLLM's DFlash layout (`export_config`), the tokenizer and this kind's record."""
         out = write_checkpoint(Path(out_dir), draft.state_dict(), export_config(draft, tokenizer), tokenizer)
-        if metadata is not None:
-            (out / "specdistill.json").write_text(json.dumps(metadata, indent=2, default=str))
-        self.write_record(out)
-        umask_modes(out)
-        return out
+        return self.finish_export(out, metadata)
 
     def load(
         self, spec: ModelSpec, vocab_size: int | None = None, target: nn.Module | None = None

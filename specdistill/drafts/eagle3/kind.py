@@ -69,7 +69,6 @@ from specdistill.drafts.eagle3.model import (
 from specdistill.drafts.eagle3.proposer import Eagle3Proposer
 from specdistill.drafts.target_heads.export import verifier_of, write_checkpoint
 from specdistill.errors import ConfigError, InputFileError
-from specdistill.export.hf import umask_modes
 from specdistill.losses.rows import GatheredLogitRows, HiddenRows
 from specdistill.models.loading import ModelSpec
 
@@ -381,11 +380,7 @@ class Eagle3(DraftKind):
         export_speculators(
             draft, out / SPECULATORS_DIR, verifier, tokenizer, verifier_architectures=architectures
         )
-        if metadata is not None:
-            (out / "specdistill.json").write_text(json.dumps(metadata, indent=2, default=str))
-        self.write_record(out)
-        umask_modes(out)
-        return out
+        return self.finish_export(out, metadata)
 
     @classmethod
     def from_layout(cls, path: Path) -> Eagle3 | None:
