@@ -410,9 +410,12 @@ def test_train_py_rolls_out_trains_a_head_and_evaluates_dflash_drafts(runs, tmp_
                         "evaluate.num_prompts=2", "evaluate.selection_prompts=2", "evaluate.max_new_tokens=8",
                         f"evaluate.fixed_lengths=[2,{SIZE - 1}]", "evaluate.acceptance_head.thresholds=[0.5]",
                         "evaluate.acceptance_head.min_draft_length=1", "evaluate.prompt_lookup=null",
-                        f"hydra.run.dir={evaluate}"]))  # fmt: skip
+                        "evaluate.acceptance_head.cost_padding=true", f"hydra.run.dir={evaluate}"]))  # fmt: skip
     baseline, by_name = evaluate_outputs(evaluate)
     assert "df/df_acceptance_head_h0.5" in by_name, list(by_name)
+    # the head's policy padded by the target's measured curve, on the block drafter only (chains would pay for it)
+    assert "df/df_acceptance_head_h0.5_padded" in by_name, list(by_name)
+    assert not any(name.endswith("_padded") for name in by_name if not name.startswith("df/")), list(by_name)
     assert any(name.startswith("df/fixed_k") for name in by_name)
     assert any(name.startswith("df_adaspec/fixed_k") for name in by_name)
     assert baseline and all(outputs == baseline for outputs in by_name.values())

@@ -11,6 +11,7 @@ from specdistill.decoding.engine import SpeculativeDecoder, autoregressive
 from specdistill.decoding.head_policy import AcceptanceHeadPolicy
 from specdistill.decoding.policies import (
     ConfidenceThreshold,
+    CostPadded,
     DraftPolicy,
     EntropyThreshold,
     FixedLength,
@@ -42,6 +43,9 @@ def _prompts(count: int, seed: int = 0) -> list[list[int]]:
     ]
 
 
+BUMPY_COST = {1: 1.0, 2: 1.6, 3: 2.0, 4: 1.5, 5: 1.6, 6: 1.9, 7: 2.2}
+
+
 def _all_policies(draft) -> dict[str, tuple[DraftPolicy, int]]:
     """name -> (policy, the engine's max_draft_length to run it with)."""
     torch.manual_seed(0)
@@ -57,6 +61,8 @@ def _all_policies(draft) -> dict[str, tuple[DraftPolicy, int]]:
         "head": (AcceptanceHeadPolicy(head, threshold=0.5), 6),
         "head_newest": (AcceptanceHeadPolicy(head, threshold=0.5, score_newest=True), 6),
         "head_proposer": (AcceptanceHeadPolicy(proposer, threshold=0.5), 6),
+        # its stops moved to where verifying more costs no more (3 tokens dearer than 4 to 6): more candidates only
+        "head_padded": (CostPadded(AcceptanceHeadPolicy(head, threshold=0.5), BUMPY_COST), 6),
     }
 
 

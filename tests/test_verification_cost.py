@@ -1,15 +1,24 @@
 """The target's verification cost (`specdistill.decoding.cost`): each timed pass verifies exactly `n` new tokens after
 the same cached context, the curve is relative to one token, and tokens per unit of cost divide tokens per call at K
-by the cost of K + 1 tokens."""
+by the cost of K + 1 tokens; the curve is kept per target, hardware and dtype across runs, and `CostPadded` moves a
+policy's stop to the most candidates the target verifies at no more cost."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from specdistill.decoding.cost import measure_verification_cost, relative_cost, tokens_per_cost
+from specdistill.decoding.cost import (
+    cached_verification_cost,
+    measure_verification_cost,
+    padded_length,
+    relative_cost,
+    tokens_per_cost,
+)
+from specdistill.decoding.policies import ConfidenceThreshold, CostPadded, DraftPolicy, DraftStep, Oracle
 from specdistill.evaluation.offline import format_cost
 from tests.test_architectures import tiny_pair
+from tests.test_engine import BUMPY_COST
 from tests.threads import one_thread_per_module  # noqa: F401  (autouse fixture)
 
 V = 32
@@ -66,3 +75,98 @@ def test_a_bfloat16_target_is_timed_in_bfloat16():
     finally:
         handle.remove()
     assert seen and set(seen) == {torch.bfloat16}
+
+
+def _count_forwards(target) -> list[int]:
+    calls: list[int] = []
+    target.register_forward_pre_hook(lambda module, args: calls.append(1))
+    return calls
+
+
+def test_the_curve_is_measured_once_per_target_and_dtype_and_read_back(tmp_path):
+    target, _ = tiny_pair("llama", V)
+    calls = _count_forwards(target)
+    first = cached_verification_cost(target, [1, 2, 3], 6, tmp_path)
+    measured = len(calls)
+    assert measured > 0 and first[1] == 1.0 and sorted(first) == [1, 2, 3]
+    (written,) = tmp_path.iterdir()
+    assert cached_verification_cost(target, [1, 2, 3], 6, tmp_path) == first
+    assert len(calls) == measured  # read back: the target ran no pass
+    # another context, other lengths or another dtype are other curves: measured again, each in its own file
+    cached_verification_cost(target, [1, 2], 6, tmp_path)
+    cached_verification_cost(target, [1, 2, 3], 9, tmp_path)
+    cached_verification_cost(target.to(torch.bfloat16), [1, 2, 3], 6, tmp_path)
+    assert len(list(tmp_path.iterdir())) == 4 and len(calls) > measured
+    # no cache: measured on every call
+    before = len(calls)
+    cached_verification_cost(target, [1, 2], 6, None)
+    assert len(calls) > before and len(list(tmp_path.iterdir())) == 4
+    assert written.exists()
+
+
+def test_a_cached_file_that_is_no_curve_is_refused_naming_it(tmp_path):
+    target, _ = tiny_pair("llama", V)
+    cached_verification_cost(target, [1, 2], 6, tmp_path)
+    (path,) = tmp_path.iterdir()
+    for text in ("not json", '{"1": 1.0}', '{"1": 2.0, "2": 1.5}', '{"1": 1.0, "2": -1}', "[1, 2]"):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=f"{path.name}.*delete it"):
+            cached_verification_cost(target, [1, 2], 6, tmp_path)
+
+
+# a float32 curve of the kind measured on a 2-core CPU: 3 tokens cost more than 4, 5 or 6
+BUMPY = BUMPY_COST
+
+
+def test_a_stop_is_padded_to_the_most_candidates_that_cost_no_more():
+    assert padded_length(2, BUMPY, 6) == 5  # 3 tokens cost 2.0; 4, 5 and 6 cost less, 7 more
+    assert padded_length(1, BUMPY, 6) == 4  # 2 tokens cost 1.6: 4 cost 1.5 and 5 cost 1.6 (no more)
+    assert padded_length(1, BUMPY, 2) == 1  # the cap
+    assert padded_length(3, BUMPY, 6) == 3  # 4 tokens are the cheapest from there
+    assert padded_length(6, BUMPY, 9) == 6  # the table ends at 7 tokens
+    assert padded_length(9, BUMPY, 12) == 9  # no cost of 10 tokens: left as it is
+    smooth = {n: 1.0 + 0.1 * (n - 1) for n in range(1, 10)}
+    assert all(padded_length(k, smooth, 8) == k for k in range(1, 9))
+
+
+class _Asked(DraftPolicy):
+    """Stops at candidate `at`; records every candidate it was asked about."""
+
+    def __init__(self, at: int, min_draft_length: int = 1) -> None:
+        self.at, self.min_draft_length, self.asked = at, min_draft_length, []
+
+    def should_stop(self, step: DraftStep) -> bool:
+        self.asked.append(step.index)
+        return step.index >= self.at
+
+
+def _round(policy: DraftPolicy, cap: int) -> int:
+    """Drafted candidates of one round as the engine decides them (min_draft_length, the cap)."""
+    policy.begin_round()
+    for index in range(1, cap + 1):
+        step = DraftStep(index=index, token=0, draft_probs=torch.ones(V) / V)
+        if policy.should_stop(step) and index >= policy.min_draft_length:
+            return index
+    return cap
+
+
+def test_cost_padded_asks_its_policy_until_it_stops_then_drafts_on_to_the_padded_length():
+    inner = _Asked(at=2)
+    padded = CostPadded(inner, BUMPY)
+    padded.reset(max_draft_length=6)
+    assert _round(padded, 6) == 5 and inner.asked == [1, 2]
+    inner.asked.clear()
+    padded.reset(max_draft_length=3)  # the engine's bound caps the padding
+    assert _round(padded, 3) == 3 and inner.asked == [1, 2]
+    # a stop the engine would ignore (before min_draft_length) is not padded either
+    early = CostPadded(_Asked(at=1, min_draft_length=2), BUMPY)
+    early.reset(6)
+    assert early.min_draft_length == 2 and _round(early, 6) == 5
+    # a curve that only rises leaves every stop where it was
+    smooth = CostPadded(ConfidenceThreshold(0.9), {n: float(n) for n in range(1, 8)})
+    smooth.reset(6)
+    assert _round(smooth, 6) == 1
+    with pytest.raises(ValueError, match="oracle"):
+        CostPadded(Oracle(), BUMPY)
+    with pytest.raises(ValueError, match="n = 1"):
+        CostPadded(ConfidenceThreshold(0.5), {2: 1.0})

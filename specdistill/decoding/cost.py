@@ -7,13 +7,26 @@ for its target as it decodes, and reports it); `tokens_per_cost` combines it wit
 decoded figure or the offline estimate, `specdistill.evaluation.offline`) into the expected tokens per unit of
 target cost, where one autoregressive step costs 1. A drafter that costs nothing (prompt lookup) runs at that ratio
 times the autoregressive speed; a draft model's own steps come on top.
+
+The curve depends on the model, device, dtype, thread count and context, not on the run: `cached_verification_cost`
+keeps it in a JSON file per such key (`evaluate.cost_cache`, by default under `~/.cache/specdistill/`), so a machine
+measures it once. `padded_length` is what a length policy does with it (`specdistill.decoding.policies.CostPadded`):
+where the curve falls (on these CPUs in float32 verifying 4 tokens can cost less than 3), a round that stops at K
+is verified at the longer K' that costs the target no more, when the K' - K extra candidates are free (the rest of a
+block already drafted).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
+import os
+import platform
 import statistics
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import torch
 
@@ -83,3 +96,89 @@ def tokens_per_cost(
         for k, value in sorted(tokens_per_call.items())
         if value is not None and k + 1 in cost
     }
+
+
+def cost_cache_key(target: torch.nn.Module, lengths: Sequence[int], context_length: int) -> str:
+    """What the curve depends on, as a file name: the target (where it was loaded from and its config), the device,
+    the dtype, torch's thread count and version, the context length and the token counts timed."""
+    parameter = next(target.parameters())
+    config = getattr(target, "config", None)
+    described = {
+        "model": getattr(config, "name_or_path", None) or type(target).__name__,
+        "config": config.to_json_string(use_diff=False) if config is not None else None,
+        "device": str(parameter.device),
+        "hardware": hardware_name(parameter.device),
+        "dtype": str(parameter.dtype),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "context_length": context_length,
+        "lengths": sorted(lengths),
+    }
+    digest = hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return f"verification_cost-{digest}.json"
+
+
+def hardware_name(device: torch.device) -> str:
+    """The processor a curve was measured on (a home directory shared by a cluster's nodes must not hand one node's
+    curve to another kind): the GPU's name, else the CPU's model name (Linux) or `platform.processor()`."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cached_verification_cost(
+    target: torch.nn.Module,
+    lengths: Sequence[int],
+    context_length: int,
+    cache_dir: str | Path | None,
+    vocab_size: int | None = None,
+) -> dict[int, float]:
+    """`relative_cost` of `measure_verification_cost` for `lengths`, read from `cache_dir` when this target, device,
+    dtype, thread count and context were measured before (`cost_cache_key`), else measured and written there; with
+    `cache_dir` None, measured every call. A cached file that is not such a table is refused, naming it."""
+    if cache_dir is None:
+        return relative_cost(
+            measure_verification_cost(target, lengths, context_length, vocab_size=vocab_size)
+        )
+    path = Path(cache_dir).expanduser() / cost_cache_key(target, lengths, context_length)
+    if path.exists():
+        return read_cost_table(path, lengths)
+    cost = relative_cost(measure_verification_cost(target, lengths, context_length, vocab_size=vocab_size))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    partial.write_text(json.dumps({str(n): c for n, c in cost.items()}, indent=1) + "\n")
+    partial.replace(path)  # whole or absent, also with two runs measuring at once
+    return cost
+
+
+def read_cost_table(path: Path, lengths: Sequence[int]) -> dict[int, float]:
+    """The relative cost table in `path` (`{"1": 1.0, "2": ...}`), which must cover `lengths` with positive finite
+    numbers and give the one-token pass cost 1."""
+    try:
+        table = {int(n): float(c) for n, c in json.loads(path.read_text()).items()}
+    except (ValueError, TypeError, AttributeError) as error:
+        raise ValueError(
+            f"{path} is not a verification cost table ({error}): delete it to measure again"
+        ) from error
+    missing = sorted(set(lengths) - set(table))
+    if missing or table.get(1) != 1.0 or not all(math.isfinite(c) and c > 0 for c in table.values()):
+        raise ValueError(
+            f"{path} is not a verification cost table for lengths {sorted(lengths)} (missing {missing}, or a cost "
+            "that is not a positive number, or a one-token cost other than 1): delete it to measure again"
+        )
+    return {n: table[n] for n in sorted(lengths)}
+
+
+def padded_length(k: int, cost: Mapping[int, float], cap: int) -> int:
+    """The most candidates `m` in `[k, cap]` whose verification (`m + 1` tokens) costs the target no more than
+    verifying `k + 1` tokens, by the relative cost table `cost`; `k` where the table lacks `k + 1`. Where extra
+    candidates cost no drafting (a block already drafted), stopping at `m` instead of `k` is free."""
+    if k + 1 not in cost:
+        return k
+    return max([k] + [m for m in range(k + 1, cap + 1) if m + 1 in cost and cost[m + 1] <= cost[k + 1]])

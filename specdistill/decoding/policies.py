@@ -28,7 +28,8 @@ Contract with the engine (`specdistill/decoding/engine.py`):
   one-hot and carries no information) it is the softmax of the draft's raw logits, i.e. the draft's confidence.
 
 Concrete policies live in this module (fixed, heuristic schedule, confidence, entropy, oracle) and in
-`specdistill/decoding/head_policy.py` (SpecDec++ acceptance head).
+`specdistill/decoding/head_policy.py` (SpecDec++ acceptance head); `CostPadded` moves another policy's stops to where
+the target's verification costs no more (`specdistill/decoding/cost.py`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from specdistill.decoding.cost import padded_length
 
 
 @dataclass
@@ -226,3 +229,55 @@ class Oracle(DraftPolicy):
                 "Oracle needs step.will_accept: run it with the SpeculativeDecoder (needs_oracle)."
             )
         return not step.will_accept
+
+
+class CostPadded(DraftPolicy):
+    """`inner`'s stops, moved later for free: when `inner` stops at candidate k, drafting goes on to the most
+    candidates m whose verification (`m + 1` tokens) costs the target no more than k's (`padded_length` on `cost`).
+
+    For drafters whose extra candidates cost nothing: a block drafter that drafts its whole block in one pass
+    (DFlash; `BlockProposer.chained` False), where the policy only chooses how much of the block the target verifies.
+    On a CPU whose cost curve is not monotone (float32 here: 4 tokens cheaper than 3) a head that stops after 2
+    candidates then sends 3. `inner` is asked after every candidate until it stops, so a head's product covers
+    them all; the engine's bounds apply to the padded length too.
+
+    Args:
+        inner: the policy whose stops are padded (not an oracle: it withdraws candidates, padding adds them).
+        cost: relative verification cost of `n` tokens (`n = 1` costs 1), e.g. `cached_verification_cost`.
+    """
+
+    def __init__(self, inner: DraftPolicy, cost: dict[int, float]) -> None:
+        if inner.needs_oracle or inner.withdraw_rejected:
+            raise ValueError(
+                "CostPadded pads a policy's stop with more candidates: an oracle policy cannot be padded"
+            )
+        if not cost or 1 not in cost:
+            raise ValueError(f"cost must be a relative cost table with n = 1, got {dict(cost)!r}")
+        self.inner = inner
+        self.cost = dict(cost)
+        self.min_draft_length = inner.min_draft_length
+        self.needs_hidden_states = inner.needs_hidden_states
+        self.feed_newest = inner.feed_newest
+        self._bound: int | None = None
+        self._stop_at: int | None = None
+
+    def reset(self, max_draft_length: int | None = None) -> None:
+        self._bound = max_draft_length
+        self._stop_at = None
+        self.inner.reset(max_draft_length)
+
+    def begin_round(self) -> None:
+        self._stop_at = None
+        self.inner.begin_round()
+
+    def should_stop(self, step: DraftStep) -> bool:
+        if self._stop_at is None:
+            # the engine ignores a stop before min_draft_length: so does the padding
+            if not (self.inner.should_stop(step) and step.index >= self.min_draft_length):
+                return False
+            cap = max(self.cost) - 1 if self._bound is None else min(self._bound, max(self.cost) - 1)
+            self._stop_at = padded_length(step.index, self.cost, cap)
+        return step.index >= self._stop_at
+
+    def end_round(self, num_drafted: int, num_accepted: int) -> None:
+        self.inner.end_round(num_drafted, num_accepted)

@@ -5,8 +5,9 @@ with an `EvalProtocol` (the grids, splits, decoding and timing below):
 
 1. Selection, on `selection_prompts` from `selection_split` (never "test"): for each draft, the fastest
    `FixedLength(K)` over `fixed_lengths` (`best_fixed_length`, tokens/s); for each draft with an acceptance head, one
-   `AcceptanceHeadPolicy` per threshold h and scoring mode (`head_policy_grid`), the fastest chosen by
-   `select_policy`.
+   `AcceptanceHeadPolicy` per threshold h and scoring mode (`head_policy_grid`), and with `padding_cost` each of
+   them padded to the target's cheaper verification lengths on a whole-block drafter (`head_candidates`), the
+   fastest chosen by `select_policy`.
 2. Test, on `test_prompts` from `split`, in one `evaluate_policies` call (configurations interleaved prompt by
    prompt): the autoregressive target, then per draft, in this order, `<draft>/fixed_k{K}` (the chosen K), the
    given training-free `policies` in their order (e.g. heuristic, confidence, entropy, oracle), and every head
@@ -25,6 +26,7 @@ with an `EvalProtocol` (the grids, splits, decoding and timing below):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,8 +34,9 @@ from typing import Any
 import torch
 
 from specdistill.decoding.head_policy import head_policy_grid
-from specdistill.decoding.policies import DraftPolicy, FixedLength
+from specdistill.decoding.policies import CostPadded, DraftPolicy, FixedLength
 from specdistill.decoding.proposers import Drafter
+from specdistill.decoding.proposers.base import BlockProposer
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.evaluation.agreement import format_agreement, output_agreement
 from specdistill.evaluation.report import Report, format_table
@@ -123,6 +126,9 @@ class EvalProtocol:
         repeats / selection_repeats: timed passes over the test / selection prompts.
         acceptance_draft_length: the fixed K at which every draft's `acceptance_rate` is reported (AdaSPEC's
             alpha; None: not reported).
+        padding_cost: the target's relative verification cost (`specdistill.decoding.cost`); when given, every head
+            policy on a draft that drafts a whole block in one pass also runs padded (`CostPadded`, named
+            `<policy>_padded`) among the selection's candidates. None: no padded policies.
     """
 
     fixed_lengths: Sequence[int]
@@ -139,6 +145,30 @@ class EvalProtocol:
     repeats: int = 1
     selection_repeats: int = 1
     acceptance_draft_length: int | None = None
+    padding_cost: Mapping[int, float] | None = None
+
+
+def drafts_whole_blocks(draft: Any) -> bool:
+    """Whether `draft` drafts a round's whole block in one pass (a DFlash proposer), so that verifying more of it
+    costs no drafting: a `BlockProposer` that is never `chained` (a hybrid's chaining changes by round)."""
+    return isinstance(draft, BlockProposer) and type(draft).chained is False
+
+
+def head_candidates(head: AcceptanceHead, draft: Any, protocol: EvalProtocol) -> dict[str, DraftPolicy]:
+    """The head policies chosen from on the selection split: the h grid (`head_policy_grid`) and, with
+    `protocol.padding_cost` on a whole-block drafter, each of them padded (`<name>_padded`, its own policy state)."""
+    grid = functools.partial(
+        head_policy_grid,
+        head,
+        list(protocol.head_thresholds),
+        protocol.head_score_newest,
+        protocol.head_min_draft_length,
+    )
+    candidates: dict[str, DraftPolicy] = dict(grid())
+    if protocol.padding_cost is not None and drafts_whole_blocks(draft):
+        cost = dict(protocol.padding_cost)
+        candidates.update({f"{name}_padded": CostPadded(policy, cost) for name, policy in grid().items()})
+    return candidates
 
 
 def greedy_agreement(
@@ -226,9 +256,7 @@ def evaluate_drafts(
         head = heads.get(draft_name)
         if head is None:
             continue
-        candidates = head_policy_grid(
-            head, list(protocol.head_thresholds), protocol.head_score_newest, protocol.head_min_draft_length
-        )
+        candidates = head_candidates(head, draft, protocol)
         best, per_h = select_policy(target, draft, candidates, **selection)
         choices[draft_name].update(best_head=f"{draft_name}_{best}", tokens_per_second_by_head=per_h)
         for name, policy in candidates.items():

@@ -18,7 +18,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
 
-from specdistill.decoding.cost import measure_verification_cost, relative_cost
+from specdistill.decoding.cost import cached_verification_cost
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.drafts.base import LoadedDraft
 from specdistill.drafts.prompt_lookup.export import write_ngram_config
@@ -79,6 +79,12 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
                 {f"{name}+{LOOKUP_NAME}": HybridProposer(proposer, model) for name, model in models.items()}
             )
     test_prompts = tested.prompts(settings.split)[: settings.num_prompts]
+    # the target's verification cost, before decoding when the padded head policies read it (cached across runs)
+    cost = (
+        target_cost(target, test_prompts, settings, vocab_size)
+        if settings.acceptance_head.cost_padding
+        else None
+    )
     result = evaluate_drafts(
         target,
         models,
@@ -86,7 +92,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         {
             name: instantiate(node) for name, node in (settings.policies or {}).items() if node is not None
         },  # null: off
-        eval_protocol(settings, SamplingConfig(**cfg.sampling), cfg.seed),
+        eval_protocol(settings, SamplingConfig(**cfg.sampling), cfg.seed, padding_cost=cost),
         test_prompts=test_prompts,
         selection_prompts=datamodule.prompts(settings.selection_split)[: settings.selection_prompts],
         tokenizer=tokenizer,
@@ -103,9 +109,10 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         decoded = decoded_fixed_lengths(result.report, list(offline))
         result.table += "\n" + format_offline(offline, decoded)
         result.ratios.update(offline_ratios(offline, decoded))
-        cost = target_cost(target, test_prompts, settings, vocab_size)
-        result.report.settings["verification_cost"] = cost
-        result.table += "\n" + format_cost(cost, offline)
+        cost = cost or target_cost(target, test_prompts, settings, vocab_size)
+        shown = {n: c for n, c in cost.items() if n <= max(settings.fixed_lengths) + 1}
+        result.report.settings["verification_cost"] = shown
+        result.table += "\n" + format_cost(shown, offline)
     result.report.settings["task"] = task.name  # the plots' titles name it
     result.report.settings["selection_task"] = cfg.task.name
     result.report.save(out_dir)
@@ -180,13 +187,16 @@ def offline_estimate(
 def target_cost(
     target: nn.Module, prompts: list[dict[str, Any]], settings: EvaluateSettings, vocab_size: int
 ) -> dict[int, float]:
-    """The target's relative cost of verifying 1 .. max(K) + 1 tokens (`specdistill.decoding.cost`), after a context
-    as long as a typical prompt with half the output budget."""
+    """The target's relative cost of verifying 1 .. max(K) + 1 tokens (`specdistill.decoding.cost`), up to
+    `max_draft_length + 1` where padded head policies read it, after a context as long as a typical prompt with half
+    the output budget; read from `settings.cost_cache` when this target was measured there before."""
     lengths = sorted(len(p["prompt_ids"]) for p in prompts)
     context = max(1, lengths[len(lengths) // 2] + settings.max_new_tokens // 2)
-    depth = max(settings.fixed_lengths) + 1
-    return relative_cost(
-        measure_verification_cost(target, range(1, depth + 1), context, vocab_size=vocab_size)
+    longest = (
+        settings.max_draft_length if settings.acceptance_head.cost_padding else max(settings.fixed_lengths)
+    )
+    return cached_verification_cost(
+        target, list(range(1, longest + 2)), context, settings.cost_cache, vocab_size=vocab_size
     )
 
 
@@ -203,8 +213,14 @@ def offline_ratios(
     return out
 
 
-def eval_protocol(settings: EvaluateSettings, sampling: SamplingConfig, seed: int) -> EvalProtocol:
-    """The protocol `evaluate_drafts` runs, from the stage's settings (ranges checked there) and the run's decoding."""
+def eval_protocol(
+    settings: EvaluateSettings,
+    sampling: SamplingConfig,
+    seed: int,
+    padding_cost: dict[int, float] | None = None,
+) -> EvalProtocol:
+    """The protocol `evaluate_drafts` runs, from the stage's settings (ranges checked there), the run's decoding and
+    the target's verification cost when padded head policies read it."""
     grid = settings.acceptance_head
     score_newest = grid.score_newest
     return EvalProtocol(
@@ -221,4 +237,5 @@ def eval_protocol(settings: EvaluateSettings, sampling: SamplingConfig, seed: in
         warmup=settings.warmup,
         repeats=settings.repeats,
         acceptance_draft_length=settings.acceptance_draft_length,
+        padding_cost=padding_cost,
     )

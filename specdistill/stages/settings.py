@@ -517,9 +517,15 @@ class HeadPolicyGrid:
     score_newest: bool | list[bool]
     """Candidate heads: false = the public code's rule; true = score the newest candidate first; [false, true] =
     choose on the selection split. Proposer heads always score the newest candidate."""
+    cost_padding: bool
+    """Also run every head policy padded (`CostPadded`: a stop moved to the most candidates the target verifies at no
+    more cost, by its measured curve) on drafters that draft a whole block in one pass (DFlash); chosen on the
+    selection split like the rest."""
 
     def __post_init__(self) -> None:
         where = "evaluate.acceptance_head"
+        if not isinstance(self.cost_padding, bool):
+            raise ConfigError(f"{where}.cost_padding={self.cost_padding!r} must be true or false.")
         for h in self.thresholds:
             check_number(where, "thresholds", h, 0.0, 1.0)
         check_count(where, "min_draft_length", self.min_draft_length)
@@ -569,7 +575,7 @@ class EvaluateSettings(StageSettings):
     acceptance_draft_length: int | None
     """Also report every draft's acceptance_rate at this fixed K (AdaSPEC's alpha); null: off."""
     acceptance_head: HeadPolicyGrid
-    """The head policies' grid (a block: thresholds, min_draft_length, score_newest)."""
+    """The head policies' grid (a block: thresholds, min_draft_length, score_newest, cost_padding)."""
     max_draft_length: int
     """The engine's bound for every policy."""
     prompt_lookup: PromptLookupSettings | None
@@ -595,6 +601,9 @@ class EvaluateSettings(StageSettings):
     """Timed passes over the test prompts (configurations interleaved prompt by prompt)."""
     device: str
     """auto: cuda when available, else cpu."""
+    cost_cache: str | None
+    """Directory of the target's verification-cost curves, one file per model, hardware, dtype, thread count and
+    context (`specdistill.decoding.cost.cached_verification_cost`); null: measured in every run."""
 
     def __post_init__(self) -> None:
         where = self.group
