@@ -105,7 +105,9 @@ def cost_cache_key(target: torch.nn.Module, lengths: Sequence[int], context_leng
     config = getattr(target, "config", None)
     described = {
         "model": getattr(config, "name_or_path", None) or type(target).__name__,
-        "config": config.to_json_string(use_diff=False) if config is not None else None,
+        "config": config.to_json_string(use_diff=False)
+        if hasattr(config, "to_json_string")
+        else repr(config),
         "device": str(parameter.device),
         "hardware": hardware_name(parameter.device),
         "dtype": str(parameter.dtype),
