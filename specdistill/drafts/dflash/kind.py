@@ -332,10 +332,12 @@ class DFlash(DraftKind):
         _, states = target_states(target, batch, layers)
         features = torch.cat([states[i] for i in layers], dim=-1)
         # a few blocks per pass: every block's queries see every key (masked), so one pass over all of a long
-        # sequence's blocks would hold (T * block_size)^2 attention scores
+        # sequence's blocks would hold (T * block_size)^2 attention scores; the context's keys and values once
+        positions = torch.arange(features.shape[1], device=features.device)
+        contexts = draft.context_keys_values(draft.context(features), positions)
         return torch.cat(
             [
-                draft.blocks(features, batch["input_ids"], batch["attention_mask"], chunk)
+                draft.blocks(features, batch["input_ids"], batch["attention_mask"], chunk, contexts)
                 for chunk in anchors.split(ANCHORS_PER_PASS, dim=1)
             ],
             dim=1,

@@ -340,12 +340,15 @@ class DFlashDrafter(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         anchors: torch.Tensor,
+        contexts: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
         """Training: the blocks anchored at `anchors` `(B, n)` (positions, -1: none) of right-padded sequences,
         all in one pass: `(B, n, block_size, H)` states after the final norm.
 
         Block `(b, i)` anchored at `a` holds token `a` then masks at positions `a .. a + block_size - 1`, and sees
         the fused context of positions `< a` of its own sequence (where `attention_mask` is 1) and its own block.
+        `contexts`: every layer's context keys and values of `features` (`context_keys_values` at positions
+        `0 .. T - 1`), for a caller that runs several passes over the same sequences; None: computed here.
         """
         b, t = input_ids.shape
         size, n = self.config.block_size, anchors.shape[1]
@@ -363,7 +366,8 @@ class DFlashDrafter(nn.Module):
         block_of = torch.arange(n, device=device).repeat_interleave(size)
         sees_block = (block_of[:, None] == block_of[None, :]).expand(b, -1, -1)
         mask = torch.cat([sees_context, sees_block], dim=-1)
-        contexts = self.context_keys_values(self.context(features), context_positions)
+        if contexts is None:
+            contexts = self.context_keys_values(self.context(features), context_positions)
         block = self.embed(ids.reshape(b, n * size))
         return self.run(block, positions, contexts, mask).view(b, n, size, -1)
 
