@@ -17,7 +17,10 @@ Split names are always ours: `train`, `validation`, `test`.
 
 `holdout` carves splits the source lacks from the *end* of the train split (test last, validation just before it)
 and removes them from train, e.g. GSM8K has no validation split, so `holdout: {validation: 200}`. A split that the
-source provides is always taken from the source. `max_examples` then keeps the first N records of a split.
+source provides is always taken from the source. `max_examples` then keeps the first N records of a split, or with
+`subset_seed` N records drawn at random with that seed, kept in split order: the draws are nested (with one seed, the
+records kept at a smaller N are among those kept at a larger one), so a data-size study grows one random sample rather
+than reading the split's alphabetically first records.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import logging
+import random
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -69,6 +73,8 @@ class Task:
         data_files: local files; see the module docstring. Setting it switches the task to local files.
         holdout: our split name -> number of train records carved off for it when the source lacks that split.
         max_examples: keep only the first N records of a split: an int for every split or a mapping per split.
+        subset_seed: with `max_examples`, keep N records drawn at random with this seed instead of the first N
+            (nested across N; see the module docstring). None: the first N.
         chat_template: render prompts with the tokenizer's chat template (multi-turn tasks).
         revision: hub revision (branch, tag or commit) for reproducible downloads.
         prompt_style: one of the task's `prompt_styles`: "default", or e.g. "specdecpp" (SpecDec++'s
@@ -106,6 +112,7 @@ class Task:
         revision: str | None = None,
         prompt_style: str = "default",
         answers_from: str | None = None,
+        subset_seed: int | None = None,
     ) -> None:
         if prompt_style not in self.prompt_styles:
             raise ValueError(
@@ -122,6 +129,7 @@ class Task:
         if any(n <= 0 for n in self.holdout.values()) or "train" in self.holdout:
             raise ValueError(f"holdout={self.holdout}: give positive counts for validation and/or test only.")
         self.max_examples = _max_examples(max_examples)
+        self.subset_seed = None if subset_seed is None else int(subset_seed)
         self.chat_template = self.default_chat_template if chat_template is None else bool(chat_template)
         self.revision = revision
         self.answers_from = None if answers_from is None else str(answers_from)
@@ -231,7 +239,7 @@ class Task:
             ds = self._attach_generated_answers(ds, split)
         limit = self.max_examples.get(split)
         if limit is not None:
-            ds = ds.select(range(min(limit, len(ds))))
+            ds = ds.select(kept_indices(len(ds), limit, self.subset_seed))
         if len(ds) == 0:
             raise TaskDataError(
                 f"Split {split!r} of task {self.name!r} is empty ({self._describe_source(split)}); "
@@ -360,6 +368,17 @@ def _normalise_data_files(value: Any) -> Files | dict[str, Files] | None:
     if isinstance(value, Mapping):
         return {k: _as_files(v) for k, v in _split_mapping(value, "data_files").items()}
     return _as_files(value)
+
+
+def kept_indices(size: int, limit: int, seed: int | None) -> list[int]:
+    """The indices `max_examples` keeps of a split of `size` records: the first `limit`, or with `seed` `limit` of
+    them drawn at random, in increasing order. The draw is the first `limit` of one seeded permutation of
+    `range(size)`, so for one seed and size a smaller limit keeps a subset of a larger one's records."""
+    if seed is None or limit >= size:
+        return list(range(min(limit, size)))
+    order = list(range(size))
+    random.Random(seed).shuffle(order)
+    return sorted(order[:limit])
 
 
 def _max_examples(value: int | Mapping[str, int | None] | None) -> dict[str, int | None]:

@@ -9,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from specdistill.tasks.base import TaskDataError
+from specdistill.tasks.base import TaskDataError, kept_indices
 from specdistill.tasks.code_execution import CodeExecutionDisabledError, run_python
 from specdistill.tasks.gsm8k import GSM8K
 from specdistill.tasks.metrics import normalise_number, rouge_l_f
@@ -122,6 +122,22 @@ def test_max_examples_limits_each_split():
     with pytest.raises(ValueError, match="positive"):
         GSM8K(max_examples={"train": 0})
 
+
+
+def test_subset_seed_draws_nested_random_records_in_split_order():
+    """With `subset_seed`, `max_examples` keeps a seeded random draw, in split order, and a smaller N's records are
+    among a larger N's (a data-size study grows one sample); another seed draws other records."""
+    assert kept_indices(10, 3, None) == [0, 1, 2] and kept_indices(3, 10, 0) == [0, 1, 2]
+    draws = {n: kept_indices(200, n, seed=0) for n in (5, 20, 80)}
+    assert all(d == sorted(d) and len(set(d)) == len(d) for d in draws.values())
+    assert set(draws[5]) <= set(draws[20]) <= set(draws[80])
+    assert draws[20] != list(range(20)) and draws[20] != kept_indices(200, 20, seed=1)
+    files = fixture_files("gsm8k")
+    first = GSM8K(data_files=files, holdout={}, max_examples={"test": 2}).load_split("test")
+    drawn = GSM8K(data_files=files, holdout={}, max_examples={"test": 2}, subset_seed=3).load_split("test")
+    every = GSM8K(data_files=files, holdout={}).load_split("test")
+    assert drawn["question"] == [every["question"][i] for i in kept_indices(len(every), 2, 3)]
+    assert len(first) == len(drawn) == 2
 
 # ---------------------------------------------------------------- metrics
 def test_rouge_l_f():

@@ -61,7 +61,12 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     trained = train_and_export(trainer, module, datamodule, tokenizer, out_dir, metadata)
     # the cache's folder, or None: the pipeline hands it to the adaspec step (conf/step/distill.yaml)
     cache = str(settings.target_cache_path(out_dir)) if source.cached else None
-    return write_result(out_dir, {"stage": "distill", **trained, "target_cache": cache})
+    # the data it learned from, as a data-size study reads it (benchmarks/scaling_study.py)
+    data = {
+        "train/examples": len(datamodule.records("train")),
+        "train/answer_tokens": sum(datamodule.answer_tokens("train")),
+    }
+    return write_result(out_dir, {"stage": "distill", **trained, **data, "target_cache": cache})
 
 
 def train_and_export(

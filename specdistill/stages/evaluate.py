@@ -24,6 +24,7 @@ from specdistill.drafts.base import LoadedDraft
 from specdistill.drafts.prompt_lookup.export import write_ngram_config
 from specdistill.drafts.prompt_lookup.hybrid import HybridProposer
 from specdistill.drafts.prompt_lookup.proposer import PromptLookupProposer
+from specdistill.errors import ConfigError
 from specdistill.evaluation.offline import (
     decoded_fixed_lengths,
     decoded_sequences,
@@ -85,21 +86,29 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         if settings.acceptance_head.cost_padding
         else None
     )
+    sampling = SamplingConfig(**cfg.sampling)
+    if settings.offline_only and not sampling.is_greedy:
+        raise ConfigError(
+            "evaluate.offline_only=true estimates tokens per target call from the target's greedy outputs: run it "
+            "with greedy sampling (sampling=greedy), or set evaluate.offline_only=false to decode every draft."
+        )
+    offline_only = settings.offline_only  # then the target alone is decoded
+    policies = {
+        name: instantiate(node) for name, node in (settings.policies or {}).items() if node is not None
+    }  # null: off
     result = evaluate_drafts(
         target,
-        models,
-        heads,
-        {
-            name: instantiate(node) for name, node in (settings.policies or {}).items() if node is not None
-        },  # null: off
-        eval_protocol(settings, SamplingConfig(**cfg.sampling), cfg.seed, padding_cost=cost),
+        {} if offline_only else models,
+        {} if offline_only else heads,
+        {} if offline_only else policies,
+        eval_protocol(settings, sampling, cfg.seed, padding_cost=cost),
         test_prompts=test_prompts,
         selection_prompts=datamodule.prompts(settings.selection_split)[: settings.selection_prompts],
         tokenizer=tokenizer,
         vocab_size=vocab_size,
         score_fn=task.score if task.scoring_available else None,
         task_metric_name=task.metric_name,
-        lookups=lookups,
+        lookups={} if offline_only else lookups,
     )
     if result.report.settings["sampling"]["greedy"]:
         offline = offline_estimate(
@@ -116,7 +125,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     result.report.settings["task"] = task.name  # the plots' titles name it
     result.report.settings["selection_task"] = cfg.task.name
     result.report.save(out_dir)
-    if lookup is not None:
+    if LOOKUP_NAME in result.choices:
         best_k = result.choices[LOOKUP_NAME]["best_k"]
         write_ngram_config(out_dir, lookup.min_ngram, lookup.max_ngram, best_k)
     rows = [

@@ -601,6 +601,10 @@ class EvaluateSettings(StageSettings):
     """Timed passes over the test prompts (configurations interleaved prompt by prompt)."""
     device: str
     """auto: cuda when available, else cpu."""
+    offline_only: bool
+    """Decode only the autoregressive target (greedy) and give every draft's offline tokens per target call at each K
+    of `fixed_lengths` from teacher-forced passes over its outputs, without decoding any draft: the cheap points of a
+    data-size study (equal to the decoded figure under greedy float32 decoding)."""
     cost_cache: str | None
     """Directory of the target's verification-cost curves, one file per model, hardware, dtype, thread count and
     context (`specdistill.decoding.cost.cached_verification_cost`); null: measured in every run."""
