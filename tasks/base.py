@@ -37,6 +37,7 @@ import datasets
 
 from specdistill.errors import DataError
 from specdistill.tasks.answers import answers_file, prompt_key, read_answers
+from specdistill.tasks.turns import replies_in_context, with_replies
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,8 @@ Files = str | list[str]
 Record = dict[str, Any]
 Prompt = str | list[dict[str, str]]
 GENERATED_ANSWER = "generated_answer"  # the column `answers_from` adds to every record it keeps
+# and, for a chat trained on every assistant turn, each turn's generated answer in the context of the earlier ones
+GENERATED_TURNS = "generated_turns"
 
 
 class TaskDataError(DataError):
@@ -156,6 +159,25 @@ class Task:
             )
         return record[GENERATED_ANSWER]
 
+    def conversation(self, record: Record) -> list[dict[str, str]] | None:
+        """The whole chat of `record` when every assistant turn in it is an answer to learn (multi-turn tasks with
+        `all_turns`, `specdistill.tasks.turns`); None (the default): one prompt and one answer."""
+        return None
+
+    def training_conversation(self, record: Record) -> list[dict[str, str]] | None:
+        """`conversation(record)` as a model trains on it: with `answers_from`, every assistant turn is the
+        target's answer generated in the context of its earlier ones (attached on load)."""
+        messages = self.conversation(record)
+        if messages is None or self.answers_from is None:
+            return messages
+        if record.get(GENERATED_TURNS) is None:
+            raise TaskDataError(
+                f"Task {self.name!r} trains on every assistant turn from the answers in {self.answers_from} "
+                "(task.answers_from), but this record was not loaded from a split they cover. Generate that "
+                "split's answers too (target_answers.splits), or set task.answers_from=null."
+            )
+        return with_replies(messages, record[GENERATED_TURNS])
+
     def extract_answer(self, text: str) -> str | None:
         """The part of generated `text` that the metric compares; None when nothing can be extracted."""
         raise NotImplementedError
@@ -250,7 +272,9 @@ class Task:
     def _attach_generated_answers(self, ds: datasets.Dataset, split: str) -> datasets.Dataset:
         """Keep the records whose prompt has an answer in `answers_from`, with it as the `generated_answer` column."""
         answers = read_answers(self.answers_from, split)
-        found = [answers.get(prompt_key(self.prompt(record))) for record in ds]
+        # a chat trained on every turn: each turn's answer, keyed by its context of earlier generated turns
+        turns = [self._generated_turns(record, answers) for record in ds]
+        found = [self._generated_answer(r, replies, answers) for r, replies in zip(ds, turns, strict=True)]
         kept = [i for i, answer in enumerate(found) if answer is not None]
         if not kept:
             raise TaskDataError(
@@ -267,9 +291,23 @@ class Task:
             "%s/%s: training on %d generated answers from %s", self.name, split, len(kept), self.answers_from
         )
         ds = ds.select(kept)
-        if GENERATED_ANSWER in ds.column_names:
-            ds = ds.remove_columns(GENERATED_ANSWER)
+        ds = ds.remove_columns([c for c in (GENERATED_ANSWER, GENERATED_TURNS) if c in ds.column_names])
+        if any(replies is not None for replies in turns):
+            ds = ds.add_column(GENERATED_TURNS, [turns[i] for i in kept])
         return ds.add_column(GENERATED_ANSWER, [found[i] for i in kept])
+
+    def _generated_answer(
+        self, record: Record, replies: list[str] | None, answers: Mapping[str, str]
+    ) -> str | None:
+        """The generated answer to `record`'s prompt (a chat's last turn, in the context of its earlier ones)."""
+        if self.conversation(record) is not None:
+            return None if replies is None else replies[-1]
+        return answers.get(prompt_key(self.prompt(record)))
+
+    def _generated_turns(self, record: Record, answers: Mapping[str, str]) -> list[str] | None:
+        """Every assistant turn's generated answer for a chat trained on every turn, else None."""
+        messages = self.conversation(record)
+        return None if messages is None else replies_in_context(messages, answers, prompt_key)
 
     def _check_records(self, ds: datasets.Dataset, split: str) -> None:
         """Raise on the first record with a problem (see `record_problem`), naming the source and the row."""

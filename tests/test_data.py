@@ -24,6 +24,7 @@ from specdistill.data.tokenize import (
     special_prefix,
     truncate_prompt_left,
 )
+from specdistill.errors import DataError
 from specdistill.tasks.arith import Arith
 from specdistill.tasks.base import Task
 
@@ -423,7 +424,7 @@ def test_chat_task_end_to_end(tok):
 
     chat = with_chat_template(tok)
     fixture = Path(__file__).parent / "fixtures" / "sharegpt" / "train.jsonl"
-    task = ShareGPT(data_files=str(fixture), holdout={})
+    task = ShareGPT(data_files=str(fixture), holdout={}, all_turns=False)
     dm = TaskDataModule(task, chat, max_length=256)
     row = dm.tokenized("train")[0]
     prompt = chat("<user>What is the capital of France?\n<assistant>")["input_ids"]
@@ -433,3 +434,37 @@ def test_chat_task_end_to_end(tok):
     with pytest.raises(ValueError, match="chat_template is false"):
         render_prompt(ShareGPT(data_files=str(fixture), chat_template=False), {"conversations": [
             {"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}, chat)  # fmt: skip
+
+
+def test_every_assistant_turn_of_a_chat_is_a_loss_row(tok):
+    """`all_turns` (ShareGPT's default): one example per chat, labels on every assistant turn as the chat template
+    writes it and -100 on the system, user and header text; the prompt is the chat before its last turn."""
+    from pathlib import Path
+
+    from specdistill.tasks.sharegpt import ShareGPT
+
+    chat = with_chat_template(tok)
+    fixture = Path(__file__).parent / "fixtures" / "sharegpt" / "train.jsonl"
+    dm = TaskDataModule(ShareGPT(data_files=str(fixture), holdout={}), chat, max_length=256)
+    ids = lambda text: chat(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    row = dm.tokenized("train")[1]  # system, user, "Hi.", user, "Bye." (the unanswered "Thanks!" dropped)
+    context = ids("<system>You are terse.\n<user>Say hi.\n<assistant>")
+    middle = ids("<user>Now say bye.\n<assistant>")
+    assert row["input_ids"] == context + ids("Hi.\n") + middle + ids("Bye.\n")
+    masked = [IGNORE_INDEX] * len(context) + ids("Hi.\n") + [IGNORE_INDEX] * len(middle) + ids("Bye.\n")
+    assert row["labels"] == masked
+    assert dm.prompts("train")[1]["prompt_ids"] == context + ids("Hi.\n") + middle
+    assert dm.answer_tokens("train")[1] == len(ids("Hi.\n")) + len(ids("Bye.\n"))
+    # cut inside the second reply: the first turn stays a loss row and becomes the prompt's answer
+    short = TaskDataModule(ShareGPT(data_files=str(fixture), holdout={}), chat, max_length=len(context) + 6)
+    cut = short.tokenized("train")[1]
+    assert cut["input_ids"] == (context + ids("Hi.\n") + middle + ids("Bye.\n"))[: len(context) + 6]
+    assert short.prompts("train")[1]["prompt_ids"] == context
+    # a template that rewrites earlier turns cannot be masked turn by turn: a clear error
+    rewriting = copy.deepcopy(chat)
+    rewriting.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] if loop.last or m['role'] != 'assistant' "
+        "else '...' }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    with pytest.raises(DataError, match="all_turns=false"):
+        TaskDataModule(ShareGPT(data_files=str(fixture), holdout={}), rewriting, max_length=256).tokenized("train")

@@ -153,3 +153,61 @@ def test_records_that_share_a_prompt_are_answered_once(tmp_path):
     ]
     write_answers(tmp_path, "train", [(key, "same") for key in unique])
     assert len(read_answers(tmp_path, "train")) == 3
+
+
+def test_a_chat_is_answered_turn_by_turn_in_the_context_of_the_targets_own_replies(tmp_path):
+    """A chat trained on every assistant turn: each turn is the target's greedy answer to the chat before it with
+    the target's own earlier answers in place of the dataset's; a relaunch generates nothing again; training then
+    reads every turn back from the answers file."""
+    import functools
+    from pathlib import Path
+
+    from specdistill.stages.target_answers import (
+        answer_turns,
+        chats_of,
+        context_ids,
+        split_record,
+        transformers_writer,
+    )
+    from specdistill.tasks.sharegpt import ShareGPT
+    from specdistill.tasks.turns import assistant_turns, with_replies
+    from tests.test_data import with_chat_template
+
+    new_tokens = 4
+    with hydra_conf():
+        cfg = compose("train", overrides=["stage=target_answers", *TINY, f"target_answers.max_new_tokens={new_tokens}",
+                                          "target_answers.batch_size=2", "target_answers.shard_size=2"])  # fmt: skip
+    seed_everything(cfg)
+    tokenizer, target, _, vocab_size = load_frozen_target_and_drafts(cfg, {}, device=torch.device("cpu"))
+    tokenizer = with_chat_template(tokenizer)
+    settings = build_settings(cfg, "target_answers")
+    fixture = str(Path(__file__).parent / "fixtures" / "sharegpt" / "train.jsonl")
+    task = ShareGPT(data_files=fixture, holdout={})
+    chats = chats_of(task, task.load_split("train"), None)
+    assert [assistant_turns(chat) for chat in chats] == [1, 2, 1, 1]
+    writer = transformers_writer(settings, settings.decoding(), cfg.seed, target, tokenizer, vocab_size)
+    record = functools.partial(split_record, cfg, settings, settings.decoding())
+    shards = tmp_path / "shards"
+    answers = dict(answer_turns(chats, tokenizer, shards, record, settings, writer))
+
+    def generate(context) -> str:
+        ids = context_ids(context, tokenizer, settings.max_length)
+        out = target.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False,
+                              pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        return tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+
+    two = chats[1]  # system, user, "Hi.", user, "Bye."
+    first = generate(with_replies(two, []))
+    second = generate(with_replies(two, [first]))
+    assert answers[prompt_key(with_replies(two, []))] == first
+    assert answers[prompt_key(with_replies(two, [first]))] == second
+    assert len(answers) == 5 and sorted(p.name for p in shards.iterdir()) == ["turn-0", "turn-1"]
+
+    def generate_nothing(*args):
+        raise AssertionError("a relaunch generated a finished round again")
+
+    assert dict(answer_turns(chats, tokenizer, shards, record, settings, generate_nothing)) == answers
+    write_answers(tmp_path / "answers", "train", sorted(answers.items()))
+    trained = ShareGPT(data_files=fixture, holdout={}, answers_from=str(tmp_path / "answers"))
+    replies = [m["content"] for m in trained.training_conversation(trained.load_split("train")[1])]
+    assert replies[2] == first and replies[4] == second and replies[1] == "Say hi."

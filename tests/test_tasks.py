@@ -256,6 +256,24 @@ def test_sharegpt_chat_messages():
         compose_task("sharegpt").load_split("train")
 
 
+
+def test_chat_task_reads_ultrachat_messages_too(tmp_path):
+    """UltraChat's layout (`messages: [{role, content}]`) reads as ShareGPT's does; a record with neither list is
+    an error naming the row and both schemas."""
+    rows = [{"prompt_id": "u1", "messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "And?"}, {"role": "assistant", "content": "Bye."}]}]  # fmt: skip
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows * 3))
+    task = compose_task("sharegpt", f"data_files={tmp_path / 'chat.jsonl'}", "holdout={validation:1,test:1}")
+    record = task.load_split("train")[0]
+    assert task.answer(record) == "Bye." and task.prompt(record)[-1] == {"role": "user", "content": "And?"}
+    assert [m["content"] for m in task.conversation(record)] == ["Hi?", "Hello.", "And?", "Bye."]
+    assert compose_task("sharegpt", "all_turns=false").conversation(record) is None
+    (tmp_path / "bad.jsonl").write_text((json.dumps({"id": "x", "turns": []}) + "\n") * 3)
+    with pytest.raises(TaskDataError, match="UltraChat"):
+        compose_task("sharegpt", f"data_files={tmp_path / 'bad.jsonl'}", "holdout={validation:1,test:1}").load_split(
+            "train"
+        )
+
 def test_run_python_timeout_and_failure():
     assert run_python("assert sum([1, 2]) == 3").passed
     failed = run_python("raise ValueError('boom')")

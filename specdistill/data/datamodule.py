@@ -94,6 +94,7 @@ class TaskDataModule(L.LightningDataModule):
         self._records: dict[str, datasets.Dataset] = {}
         self._tokenized: dict[str, datasets.Dataset] = {}
         self._source_index: dict[str, list[int]] = {}
+        self._prompt_lengths: dict[str, list[int]] = {}  # where each example's (last) answer starts
         self._epoch = 0
         self._train_sampler: WindowedSampler | None = None
         # (epoch, micro-batches done) from a mid-epoch checkpoint, for the next training sampler
@@ -135,6 +136,7 @@ class TaskDataModule(L.LightningDataModule):
                     f"truncation={self.truncation!r}); raise max_length."
                 )
             self._source_index[split] = kept
+            self._prompt_lengths[split] = [e.prompt_length for e in encoded]
             self._tokenized[split] = datasets.Dataset.from_dict(
                 {
                     "input_ids": [e.input_ids for e in encoded],
@@ -147,14 +149,15 @@ class TaskDataModule(L.LightningDataModule):
     def prompts(self, split: str) -> list[dict[str, Any]]:
         """For generation/evaluation: `{"example_id", "prompt_ids", "record"}` per tokenised example of `split`.
 
-        `prompt_ids` are the example's prompt tokens as trained on (left-truncated when the example was too long).
+        `prompt_ids` are the example's prompt tokens as trained on (left-truncated when the example was too long);
+        for a chat trained on every assistant turn, the chat before its last one.
         """
         ds = self.tokenized(split)
         records = self.records(split)
         out = []
-        rows = ds.select_columns(["example_id", "input_ids", "labels"])
-        for row, source in zip(rows, self._source_index[split], strict=True):
-            prompt_length = next(i for i, label in enumerate(row["labels"]) if label != IGNORE_INDEX)
+        rows = ds.select_columns(["example_id", "input_ids"])
+        starts = zip(self._source_index[split], self._prompt_lengths[split], strict=True)
+        for row, (source, prompt_length) in zip(rows, starts, strict=True):
             out.append(
                 {
                     "example_id": row["example_id"],

@@ -13,17 +13,28 @@ Truncation policies (`truncation=`) for examples longer than `max_length`:
 * `"drop"`: drop any example longer than `max_length`.
 
 An example left with no answer token to predict (no label after the shift) is dropped; the caller counts them.
+
+A chat trained on every assistant turn (`Task.training_conversation`) is one example with a loss on each assistant
+turn (`encode_conversation`): the masks come from the chat template itself. The template renders the chat up to
+each assistant turn with its generation prompt, then with that turn; the text between the two is the turn as the
+template writes it (its content and end-of-turn markup, e.g. ChatML's `<|im_end|>`), and is labelled; everything
+else (system, user turns, each turn's header) is -100. The pieces are tokenised one by one, so every boundary is
+exact, and the example's prompt (what generation starts from) is everything before the last assistant turn. A chat
+longer than `max_length` keeps its first `max_length` tokens under `prompt_left` (its later turns go), and is
+dropped under `drop`. A template that rewrites earlier turns when a later one is added (one that strips reasoning
+from past replies, say) cannot be masked this way: that is an error naming `task.all_turns=false`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
 from specdistill.data.formatting import render_prompt
+from specdistill.errors import DataError
 from specdistill.tasks.base import Record, Task
 
 log = logging.getLogger(__name__)
@@ -90,6 +101,63 @@ def encode_pair(
     return encoded if encoded.answer_tokens > 0 else None
 
 
+def conversation_pieces(
+    messages: Sequence[Mapping[str, str]], tokenizer: PreTrainedTokenizerBase
+) -> list[tuple[str, bool]]:
+    """The chat as rendered by the tokenizer's chat template, cut into `(text, is_assistant_turn)` pieces whose
+    concatenation is the whole rendering (module docstring).
+
+    Raises:
+        DataError: the template renders a shorter chat as something other than a prefix of a longer one.
+    """
+    pieces: list[tuple[str, bool]] = []
+    done = ""
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        context = tokenizer.apply_chat_template(
+            list(messages[:i]), tokenize=False, add_generation_prompt=True
+        )
+        turn = tokenizer.apply_chat_template(list(messages[: i + 1]), tokenize=False)
+        if not (context.startswith(done) and turn.startswith(context)):
+            raise DataError(
+                f"The chat template of {getattr(tokenizer, 'name_or_path', '?')!r} renders assistant turn {i} "
+                "so that the chat before it is not a prefix of the chat with it (it rewrites earlier turns), so "
+                "its turns cannot be masked one by one; set task.all_turns=false to train on the last turn only."
+            )
+        pieces += [(context[len(done) :], False), (turn[len(context) :], True)]
+        done = turn
+    return [(text, answer) for text, answer in pieces if text]
+
+
+def encode_conversation(
+    messages: Sequence[Mapping[str, str]],
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    truncation: str,
+) -> Encoded | None:
+    """One example of a whole chat with every assistant turn labelled (module docstring); None when `drop` drops
+    it or no assistant token is left to predict. `prompt_length` is where its last kept assistant turn starts."""
+    ids: list[int] = []
+    labels: list[int] = []
+    for text, answer in conversation_pieces(messages, tokenizer):
+        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += piece
+        labels += piece if answer else [IGNORE_INDEX] * len(piece)
+    if len(ids) > max_length:
+        if truncation == "drop":
+            return None
+        ids, labels = ids[:max_length], labels[:max_length]
+    encoded = Encoded(ids, labels, last_answer_start(labels))
+    return encoded if encoded.prompt_length > 0 and encoded.answer_tokens > 0 else None
+
+
+def last_answer_start(labels: Sequence[int]) -> int:
+    """Where the last run of labelled positions starts (0: none after position 0)."""
+    starts = [t for t in range(1, len(labels)) if labels[t] != IGNORE_INDEX and labels[t - 1] == IGNORE_INDEX]
+    return starts[-1] if starts else 0
+
+
 def special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The ids a tokenizer puts *before* the text with `add_special_tokens=True` (e.g. Llama's BOS), else []."""
     plain = tokenizer("a", add_special_tokens=False)["input_ids"]
@@ -115,6 +183,9 @@ def tokenize_records(
     if tokenizer.eos_token_id is None:
         raise ValueError("The tokenizer has no EOS token; answers end with EOS, so set tokenizer.eos_token.")
     policy = truncation_policy(truncation)
+    chats = [task.training_conversation(record) for record in records]
+    if any(chat is not None for chat in chats):  # a chat task trained on every assistant turn
+        return encode_conversations(task, chats, tokenizer, max_length, truncation)
     prompts = [render_prompt(task, record, tokenizer) for record in records]
     answers = [task.training_answer(record) for record in records]
     prefix = [] if task.chat_template else special_prefix(tokenizer)
@@ -131,6 +202,30 @@ def tokenize_records(
         )  # fmt: skip
     for i, (p, a) in enumerate(zip(prompt_ids, answer_ids, strict=True)):
         example = encode_pair(prefix + list(p), a, tokenizer.eos_token_id, max_length, policy)
+        if example is not None:
+            encoded.append(example)
+            kept.append(i)
+    return encoded, kept
+
+
+def encode_conversations(
+    task: Task,
+    chats: Sequence[Sequence[Mapping[str, str]] | None],
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    truncation: str,
+) -> tuple[list[Encoded], list[int]]:
+    """`tokenize_records` for chats trained on every assistant turn (`encode_conversation`)."""
+    if getattr(tokenizer, "chat_template", None) is None or not task.chat_template:
+        raise DataError(
+            f"Task {task.name!r} trains on every assistant turn of its chats, which needs the tokenizer's chat "
+            "template (task.chat_template=true and a chat model's tokenizer); or set task.all_turns=false."
+        )
+    encoded, kept = [], []
+    for i, chat in enumerate(chats):
+        if chat is None:
+            raise DataError(f"Task {task.name!r} gave a record that is not a chat among chats (record {i}).")
+        example = encode_conversation(chat, tokenizer, max_length, truncation)
         if example is not None:
             encoded.append(example)
             kept.append(i)

@@ -20,6 +20,7 @@ generates only the shards still missing.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -28,6 +29,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import datasets
 from omegaconf import DictConfig, OmegaConf
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -48,6 +50,7 @@ from specdistill.stages.settings import TargetAnswersSettings, build_settings
 from specdistill.tasks import answer_shards
 from specdistill.tasks.answers import prompt_key, write_answers
 from specdistill.tasks.base import Task
+from specdistill.tasks.turns import assistant_turns, with_replies
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +73,22 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     datamodule = build_datamodule(cfg, tokenizer, max_length=settings.max_length)
     folder = out_dir / "answers"
     result: dict = {"stage": "target_answers", "answers": str(folder)}
+    task = datamodule.task
     for split in settings.splits:
-        prompts = unique_prompts(datamodule.task, datamodule.prompts(split)[: settings.max_prompts])
-        pairs = answer_split(
-            prompts, out_dir / "answer_shards" / split, split_record(cfg, settings, sampling, prompts), settings,
-            write_shards,
-        )  # fmt: skip
+        folder_of_split = out_dir / "answer_shards" / split
+        chats = chats_of(task, datamodule.records(split), settings.max_prompts)
+        if chats is not None:  # a chat trained on every assistant turn: answered turn by turn, in context
+            record = functools.partial(split_record, cfg, settings, sampling)
+            pairs = answer_turns(chats, tokenizer, folder_of_split, record, settings, write_shards)
+        else:
+            prompts = unique_prompts(task, datamodule.prompts(split)[: settings.max_prompts])
+            pairs = answer_split(
+                prompts,
+                folder_of_split,
+                split_record(cfg, settings, sampling, prompts),
+                settings,
+                write_shards,
+            )
         write_answers(folder, split, sorted(pairs))
         texts = [text for _, text in pairs]
         result[f"{split}/answers"] = len(texts)
@@ -104,6 +117,51 @@ def answer_split(
     if todo:
         write_shards([[prompts[k] for k in shards[i]] for i in todo], [shards[i] for i in todo], todo, folder)
     return answer_shards.read_shards(folder, len(shards))
+
+
+def chats_of(task: Task, records: datasets.Dataset, max_prompts: int | None) -> list[list[dict]] | None:
+    """The first `max_prompts` chats of a task that trains on every assistant turn (`Task.conversation`), else None."""
+    if max_prompts is not None:
+        records = records.select(range(min(max_prompts, len(records))))
+    chats = [task.conversation(record) for record in records]
+    return chats if chats and all(chat is not None for chat in chats) else None
+
+
+def answer_turns(
+    chats: list[list[dict]],
+    tokenizer: PreTrainedTokenizerBase,
+    folder: Path,
+    record: Callable[[dict[str, list[int]]], dict[str, Any]],
+    settings: TargetAnswersSettings,
+    write_shards: ShardWriter,
+) -> list[tuple[str, str]]:
+    """`(context key, answer)` for every assistant turn of every chat, each generated in the context of the
+    target's own answers to the turns before it (`specdistill.tasks.turns`): round r answers turn r of every chat
+    that has one, as one sharded, resumable split in `<folder>/turn-<r>` (`answer_split`; `record(prompts)` is the
+    round's record), so a relaunch redoes no finished round or shard."""
+    replies: list[list[str]] = [[] for _ in chats]
+    answered: dict[str, str] = {}
+    for turn in range(max(assistant_turns(chat) for chat in chats)):
+        live = [i for i, chat in enumerate(chats) if assistant_turns(chat) > turn]
+        keys = {i: prompt_key(with_replies(chats[i], replies[i])) for i in live}
+        prompts: dict[str, list[int]] = {}
+        for i in live:
+            if keys[i] not in prompts:
+                prompts[keys[i]] = context_ids(
+                    with_replies(chats[i], replies[i]), tokenizer, settings.max_length
+                )
+        found = dict(answer_split(prompts, folder / f"turn-{turn}", record(prompts), settings, write_shards))
+        for i in live:
+            replies[i].append(found[keys[i]])
+        answered.update(found)
+    return list(answered.items())
+
+
+def context_ids(context: list[dict], tokenizer: PreTrainedTokenizerBase, max_length: int) -> list[int]:
+    """A chat's tokens before an assistant turn, as training renders them (the chat template with its generation
+    prompt), its last `max_length` kept (the prompt-left truncation of training)."""
+    text = tokenizer.apply_chat_template(context, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"][-max_length:]
 
 
 def split_record(
