@@ -5,6 +5,8 @@ policy's stop to the most candidates the target verifies at no more cost."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -92,15 +94,22 @@ def test_the_curve_is_measured_once_per_target_and_dtype_and_read_back(tmp_path)
     (written,) = tmp_path.iterdir()
     assert cached_verification_cost(target, [1, 2, 3], 6, tmp_path) == first
     assert len(calls) == measured  # read back: the target ran no pass
-    # another context, other lengths or another dtype are other curves: measured again, each in its own file
-    cached_verification_cost(target, [1, 2], 6, tmp_path)
+    # fewer counts: read from the same file; more counts: all of them measured again together, one file still
+    assert cached_verification_cost(target, [1, 3], 6, tmp_path) == {1: 1.0, 3: first[3]}
+    assert len(calls) == measured
+    wider = cached_verification_cost(target, [1, 5], 6, tmp_path)
+    assert len(calls) > measured and sorted(wider) == [1, 5]
+    assert (
+        sorted(json.loads(written.read_text())) == ["1", "2", "3", "5"] and len(list(tmp_path.iterdir())) == 1
+    )
+    # another context or another dtype are other curves: measured again, each in its own file
     cached_verification_cost(target, [1, 2, 3], 9, tmp_path)
     cached_verification_cost(target.to(torch.bfloat16), [1, 2, 3], 6, tmp_path)
-    assert len(list(tmp_path.iterdir())) == 4 and len(calls) > measured
+    assert len(list(tmp_path.iterdir())) == 3
     # no cache: measured on every call
     before = len(calls)
     cached_verification_cost(target, [1, 2], 6, None)
-    assert len(calls) > before and len(list(tmp_path.iterdir())) == 4
+    assert len(calls) > before and len(list(tmp_path.iterdir())) == 3
     assert written.exists()
 
 
@@ -108,7 +117,7 @@ def test_a_cached_file_that_is_no_curve_is_refused_naming_it(tmp_path):
     target, _ = tiny_pair("llama", V)
     cached_verification_cost(target, [1, 2], 6, tmp_path)
     (path,) = tmp_path.iterdir()
-    for text in ("not json", '{"1": 1.0}', '{"1": 2.0, "2": 1.5}', '{"1": 1.0, "2": -1}', "[1, 2]"):
+    for text in ("not json", '{"1": 2.0, "2": 1.5}', '{"1": 1.0, "2": -1}', "[1, 2]"):
         path.write_text(text)
         with pytest.raises(ValueError, match=f"{path.name}.*delete it"):
             cached_verification_cost(target, [1, 2], 6, tmp_path)

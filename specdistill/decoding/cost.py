@@ -98,9 +98,10 @@ def tokens_per_cost(
     }
 
 
-def cost_cache_key(target: torch.nn.Module, lengths: Sequence[int], context_length: int) -> str:
+def cost_cache_key(target: torch.nn.Module, context_length: int) -> str:
     """What the curve depends on, as a file name: the target (where it was loaded from and its config), the device,
-    the dtype, torch's thread count and version, the context length and the token counts timed."""
+    the dtype, torch's thread count and version and the context length. The token counts timed are not in it: one
+    file holds the curve at every count measured so far (`cached_verification_cost`)."""
     parameter = next(target.parameters())
     config = getattr(target, "config", None)
     described = {
@@ -114,7 +115,6 @@ def cost_cache_key(target: torch.nn.Module, lengths: Sequence[int], context_leng
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "context_length": context_length,
-        "lengths": sorted(lengths),
     }
     digest = hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return f"verification_cost-{digest}.json"
@@ -142,39 +142,42 @@ def cached_verification_cost(
     vocab_size: int | None = None,
 ) -> dict[int, float]:
     """`relative_cost` of `measure_verification_cost` for `lengths`, read from `cache_dir` when this target, device,
-    dtype, thread count and context were measured before (`cost_cache_key`), else measured and written there; with
-    `cache_dir` None, measured every call. A cached file that is not such a table is refused, naming it."""
+    dtype, thread count and context were measured before at those counts (`cost_cache_key`). Otherwise the counts
+    asked for and those the file already holds are measured again together, in one interleaved timing with one
+    token's pass as the unit, and the file is replaced by the whole curve; with `cache_dir` None, measured every call.
+    A cached file that is not such a table is refused, naming it."""
+
+    def measure(counts: Sequence[int]) -> dict[int, float]:
+        return relative_cost(measure_verification_cost(target, counts, context_length, vocab_size=vocab_size))
+
     if cache_dir is None:
-        return relative_cost(
-            measure_verification_cost(target, lengths, context_length, vocab_size=vocab_size)
-        )
-    path = Path(cache_dir).expanduser() / cost_cache_key(target, lengths, context_length)
-    if path.exists():
-        return read_cost_table(path, lengths)
-    cost = relative_cost(measure_verification_cost(target, lengths, context_length, vocab_size=vocab_size))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    partial.write_text(json.dumps({str(n): c for n, c in cost.items()}, indent=1) + "\n")
-    partial.replace(path)  # whole or absent, also with two runs measuring at once
-    return cost
+        return measure(lengths)
+    path = Path(cache_dir).expanduser() / cost_cache_key(target, context_length)
+    table = read_cost_table(path) if path.exists() else {}
+    if not set(lengths) <= set(table):
+        table = measure(sorted(set(table) | set(lengths) | {1}))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        partial.write_text(json.dumps({str(n): c for n, c in table.items()}, indent=1) + "\n")
+        partial.replace(path)  # whole or absent, also with two runs measuring at once
+    return {n: table[n] for n in sorted(lengths)}
 
 
-def read_cost_table(path: Path, lengths: Sequence[int]) -> dict[int, float]:
-    """The relative cost table in `path` (`{"1": 1.0, "2": ...}`), which must cover `lengths` with positive finite
-    numbers and give the one-token pass cost 1."""
+def read_cost_table(path: Path) -> dict[int, float]:
+    """The relative cost table in `path` (`{"1": 1.0, "2": ...}`): positive finite numbers with the one-token pass
+    cost 1."""
     try:
         table = {int(n): float(c) for n, c in json.loads(path.read_text()).items()}
     except (ValueError, TypeError, AttributeError) as error:
         raise ValueError(
             f"{path} is not a verification cost table ({error}): delete it to measure again"
         ) from error
-    missing = sorted(set(lengths) - set(table))
-    if missing or table.get(1) != 1.0 or not all(math.isfinite(c) and c > 0 for c in table.values()):
+    if table.get(1) != 1.0 or not all(math.isfinite(c) and c > 0 for c in table.values()):
         raise ValueError(
-            f"{path} is not a verification cost table for lengths {sorted(lengths)} (missing {missing}, or a cost "
-            "that is not a positive number, or a one-token cost other than 1): delete it to measure again"
+            f"{path} is not a verification cost table (a cost that is not a positive number, or a one-token cost "
+            "other than 1): delete it to measure again"
         )
-    return {n: table[n] for n in sorted(lengths)}
+    return table
 
 
 def padded_length(k: int, cost: Mapping[int, float], cap: int) -> int:
