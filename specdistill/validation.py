@@ -122,7 +122,6 @@ def check_vllm_backend(
             OmegaConf.select(cfg, "models.target.pretrained_model_name_or_path"),
             OmegaConf.select(cfg, "models.target.gguf_file"),
             stage,
-            "hf" if isinstance(settings, RolloutSettings) else "transformers",
         )
     vllm_python(settings.vllm_python, stage)  # vLLM is there before hours of training start
 

@@ -121,7 +121,7 @@ def test_out_of_range_settings_are_refused_naming_the_key():
         "evaluate.acceptance_head.score_newest=maybe": r"evaluate\.acceptance_head\.score_newest='maybe'",
         "evaluate.acceptance_head.cost_padding=maybe": r"evaluate\.acceptance_head\.cost_padding='maybe' must be "
         r"true or false",
-        "rollout.backend=vlm": r"rollout\.backend='vlm' is not one of hf, vllm",
+        "rollout.backend=vlm": r"rollout\.backend='vlm' is not one of transformers, vllm",
         "evaluate.prompt_lookup.min_ngram=0": r"evaluate\.prompt_lookup\.min_ngram=0 must be an integer >= 1",
         "evaluate.prompt_lookup.min_ngram=4": r"evaluate\.prompt_lookup\.min_ngram=4 is above "
         r"evaluate\.prompt_lookup\.max_ngram=3: give min_ngram <= max_ngram",

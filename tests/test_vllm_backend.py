@@ -207,7 +207,7 @@ def _rollout_config(*overrides: str):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["rollout.backend=sglang"], r"rollout.backend='sglang' is not one of hf, vllm"),
+        (["rollout.backend=sglang"], r"rollout.backend='sglang' is not one of transformers, vllm"),
         (["rollout.backend=vllm"], r"loads the target by hub id or directory.*models.target.pretrained"),
         (
             [

@@ -77,20 +77,20 @@ def vllm_python(python: str | None, where: str = "rollout") -> str:
     return python
 
 
-def vllm_model(path: str | None, gguf_file: str | None, where: str, fallback: str) -> str:
+def vllm_model(path: str | None, gguf_file: str | None, where: str) -> str:
     """What vLLM loads the target from (`models.target.pretrained_model_name_or_path`: a hub id or a directory of
     safetensors); raises, naming the fix, for a target vLLM cannot load here (built from a config, or from a GGUF
-    file). `where` is the stage whose `backend` asks for vLLM, `fallback` its backend that needs no vLLM."""
+    file). `where` is the stage whose `backend` asks for vLLM."""
     if not path:
         raise ConfigError(
             f"{where}.backend=vllm loads the target by hub id or directory, but models.target is built from a config "
-            f"(random weights): set models.target.pretrained_model_name_or_path, or use {where}.backend={fallback}."
+            f"(random weights): set models.target.pretrained_model_name_or_path, or use {where}.backend=transformers."
         )
     if gguf_file:  # our worker loads safetensors only (load_format), never a quantised GGUF
         raise ConfigError(
             f"{where}.backend=vllm loads safetensors only, but models.target comes from the GGUF file {gguf_file}: "
             "save the model as safetensors (save_pretrained) and set models.target.pretrained_model_name_or_path to "
-            f"that folder with models.target.gguf_file=null, or use {where}.backend={fallback}."
+            f"that folder with models.target.gguf_file=null, or use {where}.backend=transformers."
         )
     return str(path)
 

@@ -85,7 +85,7 @@ def check_single_process_for_vllm(ranks: Ranks) -> None:
         raise ConfigError(
             f"rollout.backend=vllm runs in one process, but these rollouts run on {ranks.world_size} ranks (the process "
             "group a pipeline's multi-GPU training started): run stage=rollout on its own with rollout.devices=1, "
-            "or use rollout.backend=hf."
+            "or use rollout.backend=transformers."
         )
 
 
@@ -105,7 +105,7 @@ def _vllm_responses(
 ) -> list[list[int]]:
     """The target's responses from vLLM (or the ones an earlier launch of this run generated with the same request)."""
     spec = model_spec(cfg.models.target)
-    model = vllm_model(spec.pretrained_model_name_or_path, spec.gguf_file, "rollout", "hf")
+    model = vllm_model(spec.pretrained_model_name_or_path, spec.gguf_file, "rollout")
     request = vllm_request(
         model, prompts, sampling, settings.max_new_tokens, [eos_token_id],
         row_seeds(cfg.seed, range(len(prompts))), target_engine(spec, settings.vllm),

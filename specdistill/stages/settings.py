@@ -34,8 +34,8 @@ if TYPE_CHECKING:
     from specdistill.decoding.sampling import SamplingConfig
 
 T = TypeVar("T")
-ROLLOUT_BACKENDS = ("hf", "vllm")
-TARGET_ANSWERS_BACKENDS = ("transformers", "vllm")
+# who generates the target's text: our models through transformers, or vLLM (rollout and target_answers alike)
+BACKENDS = ("transformers", "vllm")
 ONE_PROCESS_DEVICES = ("auto", "cuda", "cpu")  # device types: each process of several takes its own device
 
 
@@ -353,7 +353,7 @@ class TargetAnswersSettings(StageSettings):
         check_count(where, "max_prompts", self.max_prompts, optional=True)
         for key in ("max_new_tokens", "batch_size", "max_length", "shard_size"):
             check_count(where, key, getattr(self, key))
-        check_choice(where, "backend", self.backend, TARGET_ANSWERS_BACKENDS)
+        check_choice(where, "backend", self.backend, BACKENDS)
         self.decoding()  # the sampling block's own checks
 
     def decoding(self) -> SamplingConfig:
@@ -411,7 +411,7 @@ class RolloutSettings(StageSettings):
         check_count(where, "num_prompts", self.num_prompts, minimum=0, optional=True)
         for key in ("max_new_tokens", "batch_size", "shard_size", "max_length"):
             check_count(where, key, getattr(self, key))
-        check_choice(where, "backend", self.backend, ROLLOUT_BACKENDS)
+        check_choice(where, "backend", self.backend, BACKENDS)
         for key in ("devices", "num_nodes"):
             value = getattr(self, key)
             if not _is_int(value) or value <= 0:

@@ -233,7 +233,7 @@ def vllm_writer(
     """Shards answered by vLLM: one launch for all the missing shards of a split, which writes each shard's tokens
     (`<folder>/vllm/shard-NNNNN.json`) as soon as it is done; tokens a killed launch left are used before it starts."""
     spec = model_spec(cfg.models.target)
-    model = vllm_model(spec.pretrained_model_name_or_path, spec.gguf_file, "target_answers", "transformers")
+    model = vllm_model(spec.pretrained_model_name_or_path, spec.gguf_file, "target_answers")
     engine = target_engine(spec, settings.vllm)
 
     def write_shards(
