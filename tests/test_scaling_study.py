@@ -1,0 +1,88 @@
+"""benchmarks/scaling_study.py: its points compose as train.py runs, and its trend and report read the numbers as
+measured (the study itself runs on the real pair: docs/results/scaling.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hydra import compose
+
+from tests.helpers import ROOT, hydra_conf
+
+
+@pytest.fixture(scope="module")
+def study():
+    spec = importlib.util.spec_from_file_location("scaling_study", ROOT / "benchmarks" / "scaling_study.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_point_composes_with_only_the_data_moving(study, tmp_path):
+    args = study.parse_args(
+        ["--out", str(tmp_path), "--answers", str(tmp_path / "answers"), "--sizes", "10", "40"]
+    )
+    assert study.points(args) == [(10, 0), (40, 0), (10, 1), (10, 2)]
+    with hydra_conf():
+        small, large = (
+            compose("train", overrides=["experiment=smollm2_eagle3", *study.head_overrides(args, n, 0)])
+            for n in (10, 40)
+        )
+        offline = compose("train", overrides=["experiment=smollm2_eagle3", *study.evaluate_overrides(args),
+                                              *study.drafts_overrides(args, study.points(args)),
+                                              "evaluate.offline_only=true"])  # fmt: skip
+    assert (small.task.max_examples.train, large.task.max_examples.train) == (10, 40)
+    assert small.task.subset_seed == 0 and small.trainer.precision == "bf16-mixed"
+    assert small.distill.trainer.max_epochs == small.adaspec.trainer.max_epochs == 2
+    assert small.distill.trainer.max_steps == small.adaspec.trainer.max_steps == -1
+    # nothing else differs between two sizes
+    small.task.max_examples.train = 40
+    assert small == large
+    assert sorted(offline.evaluate.drafts) == sorted(
+        f"n{n}_s{s}{m}" for n, s in study.points(args) for m in ("", "_adaspec")
+    )
+    assert offline.evaluate.offline_only and offline.evaluate.fixed_lengths == [1, 2, 3, 4, 5, 6]
+    with pytest.raises(SystemExit):
+        study.parse_args(["--out", str(tmp_path), "--sizes", "40", "10"])
+
+
+def test_the_trend_is_a_least_squares_line_in_log_data(study):
+    a, b = study.fit_trend([100, 1000, 10000], [1.1, 1.3, 1.5])
+    assert (a, b) == (pytest.approx(0.7), pytest.approx(0.2))
+    assert study.needed((a, b), 2.3) == pytest.approx(10**8)
+    assert study.needed((1.2, -0.01), 2.3) is None  # a falling trend never reaches the goal
+    assert study.fit_trend([10, 100, 1000], [1.0, 1.5, 1.6]) == (
+        pytest.approx(4.1 / 3 - 0.6),
+        pytest.approx(0.3),
+    )
+
+
+def test_the_report_reads_the_runs_it_names(study, tmp_path):
+    args = study.parse_args(["--out", str(tmp_path), "--answers", str(tmp_path), "--sizes", "10", "100",
+                             "--seeds", "0"])  # fmt: skip
+    tokens = {10: 600, 100: 6000}
+    offline = {"prompt_lookup": {str(k): 1.5 for k in args.lengths}}
+    for n, s in study.points(args):
+        run = study.point_dir(args, n, s) / "distill"
+        run.mkdir(parents=True)
+        (run / "result.json").write_text(json.dumps({"train/answer_tokens": tokens[n]}))
+        for m in study.METHODS:
+            offline[study.draft_name(n, s, m)] = {str(k): 1.0 + math.log10(n) / 10 for k in args.lengths}
+    evaluate = tmp_path / "offline" / "evaluate"
+    evaluate.mkdir(parents=True)
+    (evaluate / "report.json").write_text(
+        json.dumps({"settings": {"offline_tokens_per_target_call": offline}})
+    )
+    study.report(args)
+    written = json.loads((tmp_path / "scaling.json").read_text())
+    assert [r["answer_tokens"] for r in written["rows"]] == [600, 600, 6000, 6000]
+    assert written["trends"]["distill"][1] == pytest.approx(0.1)  # +0.1 per tenfold data
+    assert written["needed_answer_tokens"]["distill"] == pytest.approx(
+        600 * 10 ** ((2.3 - 1.1) / 0.1), rel=1e-6
+    )
+    assert "| 100 | 6000 | 0 | adaspec |" in Path(tmp_path / "scaling.md").read_text()
+    assert (tmp_path / "scaling.png").stat().st_size > 0
