@@ -43,6 +43,7 @@ def validate_config(cfg: DictConfig) -> None:
     check_reference_given(cfg)
     check_reference_rows(cfg)
     check_target_states(cfg)
+    check_packing(cfg)
     check_zero3_kind(cfg)
     for key, path in model_paths(cfg):
         check_model_source(key, path)
@@ -195,6 +196,21 @@ def check_target_states(cfg: DictConfig) -> None:
         from specdistill.stages.model_loading import draft_kind
 
         source_from_setting(stage, OmegaConf.select(cfg, f"{stage}.target_cache")).check_kind(draft_kind(cfg))
+
+
+def check_packing(cfg: DictConfig) -> None:
+    """`<stage>.packing=true` for a draft kind that cannot train on packed rows (`DraftKind.packing_refusal`) is
+    refused before anything loads."""
+    for stage in ("distill", "adaspec"):
+        if stage not in running_stages(cfg) or not OmegaConf.select(cfg, f"{stage}.packing", default=False):
+            continue
+        from specdistill.stages.model_loading import draft_kind
+
+        kind = draft_kind(cfg)
+        if kind.packing_refusal:
+            raise ConfigError(
+                f"{stage}.packing=true with the {type(kind).__name__} draft kind: {kind.packing_refusal}"
+            )
 
 
 def zero3_requested(strategy: object) -> bool:

@@ -14,7 +14,7 @@ from specdistill.data.tokenize import IGNORE_INDEX
 BATCH_KEYS = ("input_ids", "labels", "example_id", "window_answer_tokens", "global_window_answer_tokens")
 
 
-def _pad(rows: Sequence[Any], width: int, value: float | int, dtype: torch.dtype) -> torch.Tensor:
+def pad_rows(rows: Sequence[Any], width: int, value: float | int, dtype: torch.dtype) -> torch.Tensor:
     out = torch.full((len(rows), width), value, dtype=dtype)
     for i, row in enumerate(rows):
         row = torch.as_tensor(row, dtype=dtype)
@@ -47,9 +47,9 @@ class Collator:
         if self.pad_to_multiple_of:
             width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
         batch = {
-            "input_ids": _pad([e["input_ids"] for e in examples], width, self.pad_token_id, torch.long),
+            "input_ids": pad_rows([e["input_ids"] for e in examples], width, self.pad_token_id, torch.long),
             "attention_mask": (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long(),
-            "labels": _pad([e["labels"] for e in examples], width, IGNORE_INDEX, torch.long),
+            "labels": pad_rows([e["labels"] for e in examples], width, IGNORE_INDEX, torch.long),
             "example_id": torch.tensor([int(e["example_id"]) for e in examples], dtype=torch.long),
         }
         for key in ("window_answer_tokens", "global_window_answer_tokens"):
@@ -65,5 +65,5 @@ class Collator:
                         f"Column {key!r} of example {int(e['example_id'])} has {len(e[key])} values; it must be "
                         f"aligned with the shifted positions: len(input_ids) - 1 = {n - 1}."
                     )
-            batch[key] = _pad([e[key] for e in examples], width - 1, 0.0, torch.float32)
+            batch[key] = pad_rows([e[key] for e in examples], width - 1, 0.0, torch.float32)
         return batch

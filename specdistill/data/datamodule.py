@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from specdistill.data.collate import BATCH_KEYS, Collator
+from specdistill.data.packing import PackingCollator
 from specdistill.data.sampler import WindowedDataset, WindowedSampler
 from specdistill.data.tokenize import IGNORE_INDEX, tokenize_records, truncation_policy
 from specdistill.errors import DataError
@@ -49,6 +50,8 @@ class TaskDataModule(L.LightningDataModule):
         num_workers: DataLoader worker processes.
         truncation: "prompt_left" (default) or "drop"; see `specdistill.data.tokenize`.
         pad_to_multiple_of: round the padded length up to a multiple of this (None: longest in batch).
+        packing: training and validation batches packed into rows of `max_length` (`specdistill.data.packing`);
+            `scoring_dataloader` stays one example per row.
     """
 
     def __init__(
@@ -63,6 +66,7 @@ class TaskDataModule(L.LightningDataModule):
         num_workers: int = 0,
         truncation: str = "prompt_left",
         pad_to_multiple_of: int | None = None,
+        packing: bool = False,
     ) -> None:
         super().__init__()
         if max_length < 2:
@@ -90,6 +94,7 @@ class TaskDataModule(L.LightningDataModule):
         self.num_workers = num_workers
         self.truncation = truncation
         self.collator = Collator(tokenizer.pad_token_id, pad_to_multiple_of)
+        self.packing_collator = PackingCollator(tokenizer.pad_token_id, max_length) if packing else None
         self.dropped: dict[str, int] = {}
         self._records: dict[str, datasets.Dataset] = {}
         self._tokenized: dict[str, datasets.Dataset] = {}
@@ -211,7 +216,9 @@ class TaskDataModule(L.LightningDataModule):
         trainer = self.trainer
         return (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
 
-    def _loader(self, split: str, batch_size: int, accumulate: int, shuffle: bool) -> DataLoader:
+    def _loader(
+        self, split: str, batch_size: int, accumulate: int, shuffle: bool, packed: bool = False
+    ) -> DataLoader:
         ds = self.tokenized(split)
         world_size, rank = self._world()
         sampler = WindowedSampler(
@@ -231,16 +238,16 @@ class TaskDataModule(L.LightningDataModule):
             WindowedDataset(ds.with_format("torch")),
             batch_size=batch_size,
             sampler=sampler,
-            collate_fn=self.collator,
+            collate_fn=self.packing_collator if packed and self.packing_collator else self.collator,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", self.batch_size, self.accumulate_grad_batches, shuffle=True)
+        return self._loader("train", self.batch_size, self.accumulate_grad_batches, shuffle=True, packed=True)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader("validation", self.eval_batch_size, 1, shuffle=False)
+        return self._loader("validation", self.eval_batch_size, 1, shuffle=False, packed=True)
 
     def test_dataloader(self) -> DataLoader:
         return self._loader("test", self.eval_batch_size, 1, shuffle=False)

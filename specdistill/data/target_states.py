@@ -36,6 +36,7 @@ from torch import nn
 
 from specdistill.caches.fit_start import FitStart, FitStartCache
 from specdistill.caches.store import build_or_reuse
+from specdistill.data.packing import is_packed
 from specdistill.data.target_cache import MAX_SHARD_SIZE, SplitsPass, model_identity, tokenizer_identity
 from specdistill.drafts.base import TargetPass, target_states
 from specdistill.losses.answers import answer_mask
@@ -174,8 +175,9 @@ class CacheOnceTargetStates(FitStartCache):
         self._datamodule = None
 
     def target_pass(self, batch: Mapping[str, Any], keep: torch.Tensor, split: str) -> TargetPass:
-        """The batch's `TargetPass` from the cache: `(B, T, H)` states per layer (zeros past each example's end),
-        the answer rows `(N, H)` in the row-major order of `keep` `(B, T-1)` with the target's output layer."""
+        """The batch's `TargetPass` from the cache: `(B, T, H)` states per layer (zeros past each example's end; a
+        packed batch's examples side by side in their rows), the answer rows `(N, H)` in the row-major order of
+        `keep` `(B, T-1)` with the target's output layer."""
         if not self._splits:
             raise RuntimeError(
                 "the target states are cached at fit start (prepare_caches, called by DistillModule under a "
@@ -192,19 +194,25 @@ class CacheOnceTargetStates(FitStartCache):
         device = keep.device
         fused = torch.zeros(b, t, width, device=device, dtype=self.dtype)
         rows = []
-        for row, (example_id, states, last) in enumerate(
-            zip(ids, examples["states"], examples["last"], strict=True)
+        # where each example sits: a whole row, or a packed row's segment (`specdistill.data.packing`)
+        places = (
+            batch["segments"][:, :3].tolist()
+            if is_packed(batch)
+            else [[row, 0, int(n)] for row, n in enumerate(batch["attention_mask"].sum(dim=1).tolist())]
+        )
+        for (row, start, length), example_id, states, last in zip(
+            places, ids, examples["states"], examples["last"], strict=True
         ):
             states = _decode(states, self.dtype, width)
             last = _decode(last, self.dtype, hidden)
-            n, length = int(keep[row].sum()), int(batch["attention_mask"][row].sum())
+            n = int(keep[row, start : start + length - 1].sum())
             if states.shape[0] != length or last.shape[0] != n:
                 raise ValueError(
                     f"{split} example {example_id} has {length} tokens and {n} answer tokens in this batch but "
                     f"{states.shape[0]} and {last.shape[0]} in the cached target states ({self.path}): the cache "
                     "was built from another tokenisation; delete it or point target_cache_dir elsewhere"
                 )
-            fused[row, :length] = states.to(device)
+            fused[row, start : start + length] = states.to(device)
             rows.append(last.to(device))
         compute = next(target.parameters()).dtype
         fused = fused.to(compute)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from specdistill.data.packing import is_packed
 from specdistill.errors import ConfigError
 from specdistill.export.hf import export_pretrained, umask_modes, write_metadata
 from specdistill.losses.rows import HiddenRows, OutputHead, answer_rows, final_hidden_states
@@ -112,11 +113,18 @@ def target_states(
     target: nn.Module, batch: Mapping[str, Any], layers: Sequence[int]
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """`(last, states)`: the target body's `(B, T, H)` last hidden state and its `(B, T, H)` hidden states at
-    `layers` (`output_hidden_states` indices), from one pass over `batch` (`input_ids`, `attention_mask`)."""
+    `layers` (`output_hidden_states` indices), from one pass over `batch` (`input_ids`, `attention_mask`; a packed
+    batch's `position_ids` instead of the mask, so each example attends only to itself: `specdistill.data.packing`)."""
     body = getattr(target, "base_model", target)
-    out = body(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True
-    )
+    if is_packed(batch):
+        out = body(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=None,
+            use_cache=False, output_hidden_states=True,
+        )  # fmt: skip
+    else:
+        out = body(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True
+        )
     states = out.hidden_states
     missing = [layer for layer in layers if not -len(states) <= layer < len(states)]
     if missing:
@@ -150,6 +158,11 @@ class DraftKind:
     one_row_per_token: bool = True
     # why this kind cannot train under DeepSpeed ZeRO-3 and what to use instead (None: it can)
     zero3_refusal: str | None = None
+    # why this kind cannot train on packed rows (`<stage>.packing`, specdistill/data/packing.py; None: it can)
+    packing_refusal: str | None = (
+        "packed rows need a draft whose training attends within each example only; this kind's does not yet: set "
+        "packing=false, or train an EAGLE-3 head (draft=eagle3)"
+    )
     # the constructor parameters an export records (`settings()`); only these, as plain values, are read back
     exported_settings: tuple[str, ...] = ()
 

@@ -11,6 +11,7 @@ from omegaconf import DictConfig, open_dict
 from transformers import PreTrainedTokenizerBase
 
 from specdistill.data.datamodule import TaskDataModule
+from specdistill.data.packing import padding_share
 from specdistill.stages.settings import TaskTrainingSettings, TrainingSettings
 from specdistill.utils.batching import BatchPlan, batch_plan, world_size
 
@@ -25,6 +26,7 @@ def build_datamodule(
     eval_batch_size: int | None = None,
     accumulate_grad_batches: int = 1,
     task: Any = None,
+    packing: bool = False,
 ) -> TaskDataModule:
     """The task's data module; stages that only read prompts (rollout, evaluate) leave the batch sizes at 1.
 
@@ -38,6 +40,7 @@ def build_datamodule(
         eval_batch_size=eval_batch_size or batch_size,
         accumulate_grad_batches=accumulate_grad_batches,
         seed=cfg.seed,
+        packing=packing,
     )
 
 
@@ -68,11 +71,20 @@ def training_datamodule(
     """The data module of a training stage: its length and batch plan (`settings.batch_size` is the global batch;
     the micro-batch and the Trainer's gradient accumulation follow from the world size, see `stage_batch_plan`)."""
     plan = stage_batch_plan(settings, trainer_cfg)
-    return build_datamodule(
+    datamodule = build_datamodule(
         cfg,
         tokenizer,
         max_length=settings.max_length,
         batch_size=plan.micro_batch_size,
         eval_batch_size=settings.eval_batch_size,
         accumulate_grad_batches=plan.accumulate_grad_batches,
+        packing=bool(getattr(settings, "packing", False)),
     )
+    if datamodule.packing_collator is not None:
+        lengths = [len(ids) for ids in datamodule.tokenized("train")["input_ids"]]
+        plain, packed, rows = padding_share(lengths, plan.micro_batch_size, settings.max_length)
+        log.info(
+            "packing: the %d training examples in %d rows of at most %d tokens, %.0f%% padding (%.0f%% unpacked)",
+            len(lengths), rows, settings.max_length, 100 * packed, 100 * plain,
+        )  # fmt: skip
+    return datamodule

@@ -236,6 +236,10 @@ class DistillSettings(TaskTrainingSettings):
     adaspec step: one target pass for both)."""
     select_best: str | None = None
     """A validation metric (e.g. val/expected_acceptance): export the best validation epoch (optimal-epoch regime)."""
+    packing: bool = False
+    """Lay each micro-batch's examples end to end in rows of `max_length` (`specdistill/data/packing.py`): each example
+    still attends only to itself, and a batch carries answer tokens instead of padding. For draft kinds that support
+    it (draft=eagle3), with the live target or its cached states."""
     init: str | None = None
     """An export directory the draft continues from (a standalone draft: e.g. the previous phase's draft in
     stage=sequential); null: the pair's `models.draft`."""

@@ -153,6 +153,7 @@ class Eagle3(DraftKind):
         "step_weight",
         "norm_before_residual",
     )
+    packing_refusal = None  # its unroll masks attention and chains per example (`unroll(segment_ids=...)`)
     zero3_refusal = (
         "the head shares the frozen target's embeddings and reads its output layer directly, and ZeRO-3 would "
         "partition them across ranks, which this kind does not gather yet: use trainer=deepspeed_zero2 (or ddp, "
@@ -296,7 +297,8 @@ class Eagle3(DraftKind):
         """The unrolled steps' rows (see the module docstring), `M <= ttt_steps * N` of them.
 
         Step `j` scores the answer row `(b, s)` (the target's row predicting token `s + 1`) from index
-        `p = s - 1 - j` of the unroll, the chain anchored at `p`; `p < 0` has no chain and is left out.
+        `p = s - 1 - j` of the unroll, the chain anchored at `p`; `p < 0` has no chain and is left out, and so is a
+        chain anchored in another example of a packed row (`specdistill.data.packing`).
         """
         if not isinstance(target.rows, HiddenRows):
             raise ValueError(
@@ -306,7 +308,10 @@ class Eagle3(DraftKind):
         rows, positions = keep.nonzero(as_tuple=True)  # (N,) answer rows in row-major order
         # the earliest anchor any row reads: the prompt's earlier anchors are attended to, never unrolled
         start = max(0, int(positions.min()) - self.ttt_steps) if positions.numel() else 0
-        outputs = draft.unroll(features, batch["input_ids"], batch["attention_mask"], self.ttt_steps, start)
+        segment_ids = batch.get("segment_ids")  # packed rows: no chain reads across an example's end
+        outputs = draft.unroll(
+            features, batch["input_ids"], batch["attention_mask"], self.ttt_steps, start, segment_ids
+        )
         with torch.no_grad():
             argmax, restricted = _target_columns(target.rows, draft.target_ids)
             in_vocab = draft.t2d[argmax]
@@ -315,6 +320,8 @@ class Eagle3(DraftKind):
         for step, out in enumerate(outputs):
             anchor = positions - 1 - step
             valid = (anchor >= 0) & in_vocab
+            if segment_ids is not None:
+                valid &= segment_ids[rows, anchor.clamp_min(0)] == segment_ids[rows, positions]
             hidden.append(out.normed[rows[valid], anchor[valid] - start])
             weight.append(torch.full((int(valid.sum()),), self.step_weight**step, device=rows.device))
             index.append(answer[valid])

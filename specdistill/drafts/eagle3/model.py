@@ -449,6 +449,7 @@ class Eagle3Head(nn.Module):
         attention_mask: torch.Tensor,
         steps: int,
         start: int = 0,
+        segment_ids: torch.Tensor | None = None,
     ) -> list[Eagle3Output]:
         """Training-time test: the head run on its own outputs for `steps` steps over whole sequences.
 
@@ -464,6 +465,10 @@ class Eagle3Head(nn.Module):
             start: the first anchor computed: every position is still attended to (step 0's keys and values over
                 the whole sequence), but queries, the MLP and the outputs cover anchors `start..T-1` only (a
                 training batch whose answers begin late skips the prompt's anchors, which no loss row reads).
+            segment_ids: `(B, T)` for packed rows (`specdistill.data.packing`): a position attends only to its own
+                example's (RoPE scores depend on relative positions only, so row indices serve as positions). Step
+                `j`'s rows at anchors within `j + 1` tokens of their example's end read the next example's tokens:
+                the caller leaves them out, as it does rows past the end.
 
         Returns:
             One `Eagle3Output` `(B, T - start, .)` per step, index `i` being anchor `start + i`; rows whose token
@@ -481,6 +486,8 @@ class Eagle3Head(nn.Module):
         causal = (index[None, :] <= anchors[:, None])[None, None] & (
             attention_mask.bool()[:, None, None, :] | (index[None, :] == anchors[:, None])[None, None]
         )
+        if segment_ids is not None:  # packed rows: never across examples
+            causal = causal & (segment_ids[:, start:, None] == segment_ids[:, None, :])[:, None]
         scale = 1.0 / math.sqrt(attn.head_dim)
         hidden = self.fuse(features)
         outputs: list[Eagle3Output] = []
