@@ -34,11 +34,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from study_runs import offline_tokens_per_call, run_train  # noqa: E402
+
 PHASES = ("answers", "train", "offline", "decode", "report")
 METHODS = ("distill", "adaspec")
 
@@ -74,15 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def train(args: argparse.Namespace, overrides: list[str], run_dir: Path) -> None:
-    """One `train.py` run into `run_dir` (a relaunch resumes it); its console goes to `<run_dir>.log`."""
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    command = [args.python, str(ROOT / "train.py"), f"experiment={args.experiment}", *overrides,
-               f"hydra.run.dir={run_dir}"]  # fmt: skip
-    print(f"[scaling] {run_dir.name}: {' '.join(command[2:])}", flush=True)
-    with open(f"{run_dir}.log", "a") as log:
-        done = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"[scaling] {run_dir.name} failed (exit {done.returncode}): see {run_dir}.log")
+    run_train(args.python, args.experiment, overrides, run_dir)
 
 
 def answers_folder(args: argparse.Namespace) -> Path:
@@ -152,15 +146,13 @@ def needed(trend: tuple[float, float], goal: float) -> float | None:
 
 
 def report(args: argparse.Namespace) -> None:
-    offline_report = json.loads((args.out / "offline" / "evaluate" / "report.json").read_text())
-    offline = offline_report["settings"]["offline_tokens_per_target_call"]
+    offline = offline_tokens_per_call(args.out / "offline")
     rows = []
     for n, s in points(args):
         tokens = answer_tokens(args, n, s)
         for m in METHODS:
-            by_k = offline[draft_name(n, s, m)]
             rows.append({"size": n, "seed": s, "method": m, "answer_tokens": tokens,
-                         "tokens_per_target_call": {int(k): v for k, v in by_k.items()}})  # fmt: skip
+                         "tokens_per_target_call": offline[draft_name(n, s, m)]})  # fmt: skip
     goal_k = args.goal_k
     trends = {}
     for m in METHODS:
@@ -168,7 +160,7 @@ def report(args: argparse.Namespace) -> None:
         trends[m] = fit_trend(
             [r["answer_tokens"] for r in mine], [r["tokens_per_target_call"][goal_k] for r in mine]
         )
-    lookup = {int(k): v for k, v in offline["prompt_lookup"].items()}
+    lookup = offline["prompt_lookup"]
     decoded = decoded_rows(args)
     study = {"rows": rows, "prompt_lookup": lookup, "trends": trends, "goal": args.goal, "goal_k": goal_k,
              "needed_answer_tokens": {m: needed(t, args.goal) for m, t in trends.items()}, "decoded": decoded,

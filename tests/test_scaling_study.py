@@ -86,3 +86,36 @@ def test_the_report_reads_the_runs_it_names(study, tmp_path):
     )
     assert "| 100 | 6000 | 0 | adaspec |" in Path(tmp_path / "scaling.md").read_text()
     assert (tmp_path / "scaling.png").stat().st_size > 0
+
+
+@pytest.fixture(scope="module")
+def chooser():
+    spec = importlib.util.spec_from_file_location(
+        "choose_on_validation", ROOT / "benchmarks" / "choose_on_validation.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_setting_is_chosen_on_validation_prompts_only(chooser, tmp_path):
+    """benchmarks/choose_on_validation.py: one distill run per value, then one offline evaluate run on the task's
+    validation split (never the test task), and the value with the most tokens per call at K wins."""
+    args = chooser.parse_args(["--out", str(tmp_path), "--values", "3", "7", "--answers", str(tmp_path / "a"),
+                               "--", "trainer.precision=bf16-mixed"])  # fmt: skip
+    with hydra_conf():
+        runs = [compose("train", overrides=["experiment=smollm2_eagle3", *chooser.train_overrides(args, v)])
+                for v in args.values]  # fmt: skip
+        validation = compose(
+            "train", overrides=["experiment=smollm2_eagle3", *chooser.evaluate_overrides(args)]
+        )
+    assert [r.draft.ttt_steps for r in runs] == [3, 7] and runs[0].trainer.precision == "bf16-mixed"
+    assert validation.evaluate.test_task is None and validation.evaluate.split == "validation"
+    assert validation.evaluate.offline_only and validation.evaluate.fixed_lengths == [1, 2, 3, 4]
+    assert sorted(validation.evaluate.drafts) == ["v_3", "v_7"]
+    table = {"v_3": {4: 1.30, 1: 1.2}, "v_7": {4: 1.35, 1: 1.1}}
+    assert chooser.choose(["3", "7"], table, 4) == "7" and chooser.choose(["3", "7"], table, 1) == "3"
+    with pytest.raises(SystemExit, match="no offline figure at K = 4"):
+        chooser.choose(["3", "7"], {"v_3": {4: None}, "v_7": {4: 1.0}}, 4)
+    with pytest.raises(SystemExit):
+        chooser.parse_args(["--out", str(tmp_path), "--values", "3", "3"])
