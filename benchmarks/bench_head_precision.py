@@ -39,10 +39,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PRECISIONS = ("32-true", "bf16-mixed")
 
 
-def run_one(args: argparse.Namespace, precision: str, out: Path) -> dict:
-    """One `distill` run at `precision`: its timed steps and its final validation metrics."""
+def run_one(args: argparse.Namespace, label: str, settings: list[str], out: Path) -> dict:
+    """One `distill` run with the overrides `settings` (`label` names it): its timed steps and its final
+    validation metrics (benchmarks/bench_packing.py runs it too)."""
     overrides = [
-        f"experiment={args.experiment}", f"trainer.precision={precision}",
+        f"experiment={args.experiment}", *settings,
         f"distill.trainer.max_steps={args.steps}", "distill.trainer.max_epochs=1",
         f"distill.trainer.limit_val_batches={args.val_batches}", "distill.target_cache=null",
         "+trainer.enable_progress_bar=false",
@@ -60,13 +61,11 @@ def run_one(args: argparse.Namespace, precision: str, out: Path) -> dict:
 
     distill.build_trainer = probed  # the stage imported build_trainer by name: add the probe to its Trainer
     try:
-        result = distill.run(cfg, out / precision)
+        result = distill.run(cfg, out / label)
     finally:
         distill.build_trainer = build_trainer
     if not records:
-        sys.exit(
-            f"{precision}: too few optimizer steps to time after {args.warmup} warm-up steps: raise --steps"
-        )
+        sys.exit(f"{label}: too few optimizer steps to time after {args.warmup} warm-up steps: raise --steps")
     step = records[0]
     return {
         "step_time_s": step["step_time_s"],
@@ -89,7 +88,7 @@ def main() -> None:
         f"{torch.get_num_threads()} threads, CPU bf16 units: {bf16_units}"
     )
     with tempfile.TemporaryDirectory(prefix="head_precision_") as tmp:
-        results = {precision: run_one(args, precision, Path(tmp)) for precision in PRECISIONS}
+        results = {p: run_one(args, p, [f"trainer.precision={p}"], Path(tmp)) for p in PRECISIONS}
     for precision, r in results.items():
         print(
             f"{precision:>10}: step {r['step_time_s']:6.2f} s, {r['tokens_per_s']:7.1f} tokens/s, "
