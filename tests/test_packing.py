@@ -143,7 +143,7 @@ def test_train_py_trains_an_eagle3_head_on_packed_rows_of_its_cached_states(tmp_
     )
     assert packed and int(packed[2]) < int(packed[1])
     adaspec = tmp_path / "adaspec"
-    check_ok(run_train(["stage=adaspec", *pair, *stage_overrides("adaspec", 1), "adaspec.packing=true",
+    check_ok(run_train(["stage=adaspec", *pair, *stage_overrides("adaspec", 1), "+adaspec.packing=true",
                         f"adaspec.reference={tmp_path / 'packing_True' / 'export'}", "adaspec.cached_scores=false",
                         "adaspec.max_length=384", f"hydra.run.dir={adaspec}"]))  # fmt: skip
     assert 0 < json.loads((adaspec / "result.json").read_text())["val/expected_acceptance"] <= 1

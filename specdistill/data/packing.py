@@ -1,5 +1,5 @@
 """Packing: the examples of a micro-batch laid end to end in as few rows of `max_length` as they fit, so a batch
-carries answer tokens instead of padding (`distill.packing` / `adaspec.packing`).
+carries answer tokens instead of padding (`distill.packing` / `+adaspec.packing`).
 
 A packed batch has the keys of `specdistill.data.collate.Collator`'s and:
 
