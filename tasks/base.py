@@ -273,8 +273,14 @@ class Task:
         """Keep the records whose prompt has an answer in `answers_from`, with it as the `generated_answer` column."""
         answers = read_answers(self.answers_from, split)
         # a chat trained on every turn: each turn's answer, keyed by its context of earlier generated turns
-        turns = [self._generated_turns(record, answers) for record in ds]
-        found = [self._generated_answer(r, replies, answers) for r, replies in zip(ds, turns, strict=True)]
+        chats = [self.conversation(record) for record in ds]
+        turns = [None if chat is None else replies_in_context(chat, answers, prompt_key) for chat in chats]
+        found = [
+            answers.get(prompt_key(self.prompt(record)))
+            if chat is None
+            else (None if replies is None else replies[-1])
+            for record, chat, replies in zip(ds, chats, turns, strict=True)
+        ]
         kept = [i for i, answer in enumerate(found) if answer is not None]
         if not kept:
             raise TaskDataError(
@@ -295,19 +301,6 @@ class Task:
         if any(replies is not None for replies in turns):
             ds = ds.add_column(GENERATED_TURNS, [turns[i] for i in kept])
         return ds.add_column(GENERATED_ANSWER, [found[i] for i in kept])
-
-    def _generated_answer(
-        self, record: Record, replies: list[str] | None, answers: Mapping[str, str]
-    ) -> str | None:
-        """The generated answer to `record`'s prompt (a chat's last turn, in the context of its earlier ones)."""
-        if self.conversation(record) is not None:
-            return None if replies is None else replies[-1]
-        return answers.get(prompt_key(self.prompt(record)))
-
-    def _generated_turns(self, record: Record, answers: Mapping[str, str]) -> list[str] | None:
-        """Every assistant turn's generated answer for a chat trained on every turn, else None."""
-        messages = self.conversation(record)
-        return None if messages is None else replies_in_context(messages, answers, prompt_key)
 
     def _check_records(self, ds: datasets.Dataset, split: str) -> None:
         """Raise on the first record with a problem (see `record_problem`), naming the source and the row."""

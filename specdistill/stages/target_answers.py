@@ -143,13 +143,12 @@ def answer_turns(
     answered: dict[str, str] = {}
     for turn in range(max(assistant_turns(chat) for chat in chats)):
         live = [i for i, chat in enumerate(chats) if assistant_turns(chat) > turn]
-        keys = {i: prompt_key(with_replies(chats[i], replies[i])) for i in live}
+        contexts = {i: with_replies(chats[i], replies[i]) for i in live}
+        keys = {i: prompt_key(context) for i, context in contexts.items()}
         prompts: dict[str, list[int]] = {}
         for i in live:
             if keys[i] not in prompts:
-                prompts[keys[i]] = context_ids(
-                    with_replies(chats[i], replies[i]), tokenizer, settings.max_length
-                )
+                prompts[keys[i]] = context_ids(contexts[i], tokenizer, settings.max_length)
         found = dict(answer_split(prompts, folder / f"turn-{turn}", record(prompts), settings, write_shards))
         for i in live:
             replies[i].append(found[keys[i]])
