@@ -308,6 +308,27 @@ def test_the_hybrid_is_lossless_and_drafts_from_both(pair, inner):
         assert lookup_rounds > 0 and draft_rounds > 0, name
 
 
+def test_the_hybrids_draft_rounds_stop_at_its_draft_length(pair):
+    target, draft = pair
+    prompts = [[4, 7, 1, 4, 7, 1, 4, 7], list(range(10)), [5, 11, 30, 2]]
+    references = [autoregressive(target, p, 30, GREEDY, None, V).tokens for p in prompts]
+    forwards = {}
+    for cap in (None, 1):
+        hybrid = HybridProposer(PromptLookupProposer(V, CPU, min_ngram=2), DraftLMProposer(draft, V), cap)
+        decoder = SpeculativeDecoder(target, hybrid, FixedLength(4), GREEDY, None, V)
+        forwards[cap] = rounds = 0
+        for prompt, reference in zip(prompts, references, strict=True):
+            result = decoder.generate(prompt, 30)
+            assert result.tokens == reference, cap
+            forwards[cap] += result.stats.draft_forwards
+            rounds += hybrid.draft_rounds
+        assert rounds > 0, cap
+    # a draft LM runs one forward per candidate: capped at one, its rounds cost a quarter of K = 4's, or less
+    assert forwards[1] * 3 < forwards[None]
+    with pytest.raises(ValueError, match="draft_length"):
+        HybridProposer(PromptLookupProposer(V, CPU), DraftLMProposer(draft, V), draft_length=0)
+
+
 def test_the_hybrid_samples_the_target_distribution_when_the_draft_proposes():
     target, draft = toy_pair(SMALL_V, hidden_size=16, num_heads=2, initializer_range=0.5, noise=1.0, seed=5)
     exact = exact_two_token_distribution(target, STAT_PROMPT, SMALL_SAMPLING, SMALL_V)

@@ -11,6 +11,7 @@ from specdistill.decoding.policies import HeuristicSchedule, Oracle
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.decoding.stats import DecodingStats
 from specdistill.decoding.toy import toy_pair
+from specdistill.drafts.prompt_lookup.hybrid import HybridProposer
 from specdistill.drafts.prompt_lookup.proposer import PromptLookupProposer
 from specdistill.evaluation import protocol
 from specdistill.evaluation.protocol import EvalProtocol, evaluate_drafts, format_ratios, policy_ratios
@@ -163,6 +164,30 @@ def test_prompt_lookup_gets_its_own_k_and_one_row_after_the_drafts(models_, monk
     assert row.stats.draft_forwards == 0
     with pytest.raises(ValueError, match="have the names of drafts"):
         _run(target, drafts, {}, {}, lookups={"noisy": lookup})
+
+
+def test_a_hybrids_draft_rounds_take_the_k_chosen_for_its_draft(models_):
+    target, drafts = models_
+    hybrid = HybridProposer(PromptLookupProposer(V, torch.device("cpu")), drafts["noisy"])
+    result = _run(
+        target, {"noisy": drafts["noisy"]}, {}, {}, lookups={"noisy+prompt_lookup": hybrid},
+        hybrids={"noisy+prompt_lookup": "noisy"},
+    )  # fmt: skip
+    chosen = result.choices["noisy"]["best_k"]
+    assert hybrid.draft_length == chosen == result.choices["noisy+prompt_lookup"]["draft_k"]
+    assert (
+        f"noisy+prompt_lookup: K={result.choices['noisy+prompt_lookup']['best_k']} (the draft's rounds K={chosen})"
+        in (result.table)
+    )
+    with pytest.raises(ValueError, match="must name a lookup"):
+        _run(
+            target,
+            drafts,
+            {},
+            {},
+            lookups={"noisy+prompt_lookup": hybrid},
+            hybrids={"noisy+prompt_lookup": "x"},
+        )
 
 
 def test_protocol_refuses_bad_inputs(models_):

@@ -5,6 +5,8 @@ Llama, Qwen2 and Gemma-2 targets, an EAGLE-3 head, prompt lookup and the hybrid;
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -184,17 +186,24 @@ def test_prompt_lookup_and_the_hybrid_offline_equal_decoded():
     def lookup(s):
         return lookup_candidates(s, 1, 3, depth)
 
-    def hybrid(s):
-        return hybrid_candidates(lookup(s), DraftKind().chain_candidates(draft, None, _batch(s), depth, V))
+    def hybrid(s, draft_length=None):
+        chain = DraftKind().chain_candidates(draft, None, _batch(s), depth, V)
+        return hybrid_candidates(lookup(s), chain, draft_length)
 
     lookup_offline, hybrid_offline = _offline(lookup, sequences), _offline(hybrid, sequences)
+    capped_offline = _offline(functools.partial(hybrid, draft_length=1), sequences)
     proposer = PromptLookupProposer(V, torch.device("cpu"), 1, 3)
     for k in LENGTHS:
         assert lookup_offline[k] == pytest.approx(_decoded(target, proposer, k), rel=1e-9), k
         assert hybrid_offline[k] == pytest.approx(
             _decoded(target, HybridProposer(proposer, draft), k), rel=1e-9
         )
+        # the draft's rounds capped at one candidate, lookup's at K: decoded and offline agree
+        assert capped_offline[k] == pytest.approx(
+            _decoded(target, HybridProposer(proposer, draft, draft_length=1), k), rel=1e-9
+        )
     assert lookup_offline[4] > 1.0  # lookup was accepted somewhere: the comparison counted its blocks
+    assert capped_offline[4] != hybrid_offline[4]  # the cap changed some round: the comparison tested it
 
 
 class _CountingKind(DraftKind):
@@ -227,7 +236,14 @@ def test_the_evaluate_stage_runs_each_draft_once_per_sequence_for_its_row_and_it
     prompts = [{"prompt_ids": p} for p in PROMPTS]
     _CountingKind.passes = 0
     table = offline_estimate(
-        report, prompts, target, {"d": LoadedDraft(_CountingKind(), draft)}, {}, settings, V
+        report,
+        prompts,
+        target,
+        {"d": LoadedDraft(_CountingKind(), draft)},
+        {},
+        settings,
+        V,
+        {"d+prompt_lookup": 2},
     )
     assert _CountingKind.passes == len(PROMPTS)
     depth = max(LENGTHS)
@@ -237,5 +253,5 @@ def test_the_evaluate_stage_runs_each_draft_once_per_sequence_for_its_row_and_it
 
     assert table["d"] == _offline(chain, sequences)
     assert table["d+prompt_lookup"] == _offline(
-        lambda s: hybrid_candidates(lookup_candidates(s, 1, 3, depth), chain(s)), sequences
+        lambda s: hybrid_candidates(lookup_candidates(s, 1, 3, depth), chain(s), 2), sequences
     )

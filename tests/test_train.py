@@ -91,6 +91,9 @@ def test_evaluate_reports_every_policy_and_the_acceptance_head_ratios(chain):
     # prompt lookup, the training-free baseline, and the draft behind it follow the draft's rows, one row each at
     # their K, and lookup's vLLM settings are written
     assert names[-2:] == ["prompt_lookup/fixed_k2", "adaspec+prompt_lookup/fixed_k2"]
+    # the hybrid drafts from the head as the head alone would: at the K chosen for it
+    selection = json.loads((chain["evaluate"] / "report.json").read_text())["settings"]["selection"]
+    assert selection["adaspec+prompt_lookup"]["draft_k"] == selection["adaspec"]["best_k"]
     # greedy: the offline estimate of every drafter at the K grid, beside the decoded figure (equal but for ties)
     offline = json.loads((chain["evaluate"] / "report.json").read_text())["settings"][
         "offline_tokens_per_target_call"

@@ -106,8 +106,14 @@ def lookup_candidates(tokens: torch.Tensor, min_ngram: int, max_ngram: int, dept
     return out
 
 
-def hybrid_candidates(lookup: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
-    """The hybrid's candidates (`HybridProposer`): lookup's block where it found a match, the draft's chain else."""
+def hybrid_candidates(
+    lookup: torch.Tensor, draft: torch.Tensor, draft_length: int | None = None
+) -> torch.Tensor:
+    """The hybrid's candidates (`HybridProposer`): lookup's block where it found a match, else the draft's chain,
+    cut after `draft_length` candidates (None: uncut)."""
+    if draft_length is not None:
+        draft = draft.clone()
+        draft[:, draft_length:] = NO_CANDIDATE
     found = lookup[:, :1] != NO_CANDIDATE
     return torch.where(found, lookup, draft)
 

@@ -86,7 +86,9 @@ def policy_ratios(report: Report, choices: Mapping[str, Mapping[str, Any]]) -> d
 def format_ratios(choices: Mapping[str, Mapping[str, Any]], ratios: Mapping[str, float]) -> str:
     """One line with each draft's choices (`d: K=3, d_acceptance_head_h0.5`), then one `name = value` per ratio."""
     chosen = "; ".join(
-        f"{d}: K={c['best_k']}" + (f", {c['best_head']}" if c.get("best_head") else "")
+        f"{d}: K={c['best_k']}"
+        + (f" (the draft's rounds K={c['draft_k']})" if c.get("draft_k") else "")
+        + (f", {c['best_head']}" if c.get("best_head") else "")
         for d, c in choices.items()
     )
     lines = [f"chosen on the selection split (tokens/s): {chosen}"]
@@ -200,6 +202,7 @@ def evaluate_drafts(
     task_metric_name: str | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     lookups: Mapping[str, Drafter] | None = None,
+    hybrids: Mapping[str, str] | None = None,
 ) -> EvaluationResult:
     """Choose K (and h) per draft on the selection split, then decode the test prompts with everything (module doc).
 
@@ -220,10 +223,18 @@ def evaluate_drafts(
         lookups: proposers that draft from prompt lookup (name -> a `PromptLookupProposer`, or a `HybridProposer`
             of lookup and a draft), reported after the drafts at their own K chosen on the selection split; the
             policies and heads are the drafts' only.
+        hybrids: lookup name -> the draft a `HybridProposer` in `lookups` drafts from where lookup finds nothing;
+            its rounds from that draft are capped at the K chosen for the draft alone (`choices[name]["draft_k"]`),
+            set on the proposer (`draft_length`) before its own K is chosen.
     """
     unknown = sorted(set(heads) - set(drafts))
     if unknown:
         raise ValueError(f"heads given for drafts that are not evaluated: {unknown}")
+    stray = sorted(k for k, v in (hybrids or {}).items() if k not in (lookups or {}) or v not in drafts)
+    if stray:
+        raise ValueError(
+            f"hybrids {stray} must name a lookup given in `lookups` and a draft given in `drafts`"
+        )
     lookups = dict(lookups or {})
     clash = sorted(set(lookups) & set(drafts))
     if clash:
@@ -263,8 +274,11 @@ def evaluate_drafts(
             all_policies[f"{draft_name}_{name}"] = policy
             combinations.append((draft_name, f"{draft_name}_{name}"))
     for name, lookup in lookups.items():
+        draft_k = {}
+        if name in (hybrids or {}):
+            lookup.draft_length = draft_k["draft_k"] = choices[hybrids[name]]["best_k"]
         best_k, per_k = best_fixed_length(target, lookup, list(protocol.fixed_lengths), **selection)
-        choices[name] = {"best_k": best_k, "tokens_per_second_by_k": per_k}
+        choices[name] = {"best_k": best_k, "tokens_per_second_by_k": per_k, **draft_k}
         all_policies.setdefault(f"fixed_k{best_k}", FixedLength(best_k))
         combinations.append((name, f"fixed_k{best_k}"))
     order = [*drafts, *lookups]

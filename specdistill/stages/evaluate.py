@@ -71,13 +71,14 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     )
     task = tested.task
     lookup = settings.prompt_lookup
-    lookups = {}
+    lookups, hybrids = {}, {}
     if lookup is not None:
         proposer = PromptLookupProposer(vocab_size, device, lookup.min_ngram, lookup.max_ngram)
         lookups[LOOKUP_NAME] = proposer
         if lookup.hybrid:
+            hybrids = {f"{name}+{LOOKUP_NAME}": name for name in models}
             lookups.update(
-                {f"{name}+{LOOKUP_NAME}": HybridProposer(proposer, model) for name, model in models.items()}
+                {hybrid: HybridProposer(proposer, models[name]) for hybrid, name in hybrids.items()}
             )
     test_prompts = tested.prompts(settings.split)[: settings.num_prompts]
     # the target's verification cost, before decoding when the padded head policies read it (cached across runs)
@@ -109,11 +110,13 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         score_fn=task.score if task.scoring_available else None,
         task_metric_name=task.metric_name,
         lookups={} if offline_only else lookups,
+        hybrids={} if offline_only else hybrids,
     )
     if result.report.settings["sampling"]["greedy"]:
         offline = offline_estimate(
-            result.report, test_prompts, target, loaded, {**models, **lookups}, settings, vocab_size
-        )
+            result.report, test_prompts, target, loaded, {**models, **lookups}, settings, vocab_size,
+            {hybrid: result.choices[hybrid]["draft_k"] for hybrid in hybrids if hybrid in result.choices},
+        )  # fmt: skip
         result.report.settings["offline_tokens_per_target_call"] = offline
         decoded = decoded_fixed_lengths(result.report, list(offline))
         result.table += "\n" + format_offline(offline, decoded)
@@ -152,9 +155,11 @@ def offline_estimate(
     proposers: dict[str, Any],
     settings: EvaluateSettings,
     vocab_size: int,
+    draft_lengths: dict[str, int],
 ) -> dict[str, dict[int, float | None]]:
     """Each draft's (and prompt lookup's) tokens per target call at every K of the grid, from teacher-forced passes
-    over the target's greedy test outputs (`specdistill.evaluation.offline`)."""
+    over the target's greedy test outputs (`specdistill.evaluation.offline`); a hybrid's draft rounds capped at its
+    `draft_lengths` entry, as they were decoded (none: uncapped, as under `offline_only`, where no K is chosen)."""
     sequences, prompt_lengths = decoded_sequences(report, prompts)
     lengths = sorted(set(settings.fixed_lengths))
     depth = lengths[-1]
@@ -186,11 +191,21 @@ def offline_estimate(
         )
         if lookup.hybrid:
             for name in loaded:
-                candidates[f"{name}+{LOOKUP_NAME}"] = lambda seq, d=candidates[name]: hybrid_candidates(
-                    candidates[LOOKUP_NAME](seq), d(seq)
+                hybrid = f"{name}+{LOOKUP_NAME}"
+                candidates[hybrid] = functools.partial(
+                    _hybrid, candidates[LOOKUP_NAME], candidates[name], draft_lengths.get(hybrid)
                 )
     prefill = {name: bool(getattr(p, "drafts_after_prefill", False)) for name, p in proposers.items()}
     return offline_table(candidates, sequences, prompt_lengths, settings.max_new_tokens, lengths, prefill)
+
+
+def _hybrid(
+    lookup: Callable[[torch.Tensor], torch.Tensor],
+    draft: Callable[[torch.Tensor], torch.Tensor],
+    draft_length: int | None,
+    seq: torch.Tensor,
+) -> torch.Tensor:
+    return hybrid_candidates(lookup(seq), draft(seq), draft_length)
 
 
 def target_cost(

@@ -549,8 +549,8 @@ class PromptLookupSettings:
     max_ngram: int
     """Longest suffix looked up (vLLM's prompt_lookup_max); the longest that occurred before wins."""
     hybrid: bool
-    """Also run every draft behind lookup (`<draft>+prompt_lookup`): lookup's block where the context offers a
-    match, the draft's otherwise."""
+    """Also run every draft behind lookup (`<draft>+prompt_lookup`): lookup's block (up to the hybrid's own K) where
+    the context offers a match, otherwise the draft's, at the K chosen for that draft alone."""
 
     def __post_init__(self) -> None:
         where = "evaluate.prompt_lookup"
