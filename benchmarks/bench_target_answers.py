@@ -78,6 +78,13 @@ def main() -> int:
     parser.add_argument(
         "--gpu", action="store_true", help="vLLM's own engine defaults instead of the CPU build's"
     )
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="both legs' target dtype"
+    )
+    parser.add_argument(
+        "--kv-cache-gib", type=float, default=4.0,
+        help="the CPU build's KV cache: room for every prompt's answer at once is what batching needs",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.vllm_python is None:
         raise SystemExit(
@@ -90,12 +97,22 @@ def main() -> int:
         torch.set_num_threads(max(1, os.cpu_count() or 1))
     # the experiment's own composition (a pipeline's, which holds the target_answers step's settings), one split
     answers = ["target_answers.splits=[train]", f"target_answers.max_prompts={args.prompts}"]
+    answers.append(f"models.dtype={args.dtype}")
     cfg = compose_run([*args.config, *answers])
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(tmp) / "target"
         save_target(cfg, target)
         engine = (
-            [] if args.gpu else [f"++target_answers.vllm.{k}={json.dumps(v)}" for k, v in CPU_ENGINE.items()]
+            []
+            if args.gpu
+            else [
+                f"++target_answers.vllm.{k}={json.dumps(v)}"
+                for k, v in {
+                    **CPU_ENGINE,
+                    "dtype": args.dtype,
+                    "kv_cache_memory_bytes": int(args.kv_cache_gib * 2**30),
+                }.items()
+            ]
         )
         vllm_cfg = compose_run([
             *args.config, *answers, "target_answers.backend=vllm", f"target_answers.vllm_python={args.vllm_python}",
