@@ -54,7 +54,10 @@ def test_a_stage_field_shows_its_type_default_range_and_docstring(reference):
     head = section(reference, "## acceptance_head: `AcceptanceHeadSettings`")
     assert row(head, "val_fraction")[3] == "number in [0, 1)"
     assert row(head, "w_rej")[3] == "number in (0, inf)"  # one check in a loop over two keys
-    assert row(section(reference, "## rollout: `RolloutSettings`"), "backend")[3] == "one of `transformers`, `vllm`"
+    assert (
+        row(section(reference, "## rollout: `RolloutSettings`"), "backend")[3]
+        == "one of `transformers`, `vllm`"
+    )
     grid = section(reference, "### `evaluate.acceptance_head`: `HeadPolicyGrid`")
     assert row(grid, "thresholds")[2:4] == ["`[0.3, 0.5, 0.7]`", "each number in [0, 1]"]
 

@@ -467,4 +467,6 @@ def test_every_assistant_turn_of_a_chat_is_a_loss_row(tok):
         "else '...' }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
     )
     with pytest.raises(DataError, match="all_turns=false"):
-        TaskDataModule(ShareGPT(data_files=str(fixture), holdout={}), rewriting, max_length=256).tokenized("train")
+        TaskDataModule(ShareGPT(data_files=str(fixture), holdout={}), rewriting, max_length=256).tokenized(
+            "train"
+        )

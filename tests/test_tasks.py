@@ -123,7 +123,6 @@ def test_max_examples_limits_each_split():
         GSM8K(max_examples={"train": 0})
 
 
-
 def test_subset_seed_draws_nested_random_records_in_split_order():
     """With `subset_seed`, `max_examples` keeps a seeded random draw, in split order, and a smaller N's records are
     among a larger N's (a data-size study grows one sample); another seed draws other records."""
@@ -138,6 +137,7 @@ def test_subset_seed_draws_nested_random_records_in_split_order():
     every = GSM8K(data_files=files, holdout={}).load_split("test")
     assert drawn["question"] == [every["question"][i] for i in kept_indices(len(every), 2, 3)]
     assert len(first) == len(drawn) == 2
+
 
 # ---------------------------------------------------------------- metrics
 def test_rouge_l_f():
@@ -256,7 +256,6 @@ def test_sharegpt_chat_messages():
         compose_task("sharegpt").load_split("train")
 
 
-
 def test_chat_task_reads_ultrachat_messages_too(tmp_path):
     """UltraChat's layout (`messages: [{role, content}]`) reads as ShareGPT's does; a record with neither list is
     an error naming the row and both schemas."""
@@ -270,9 +269,10 @@ def test_chat_task_reads_ultrachat_messages_too(tmp_path):
     assert compose_task("sharegpt", "all_turns=false").conversation(record) is None
     (tmp_path / "bad.jsonl").write_text((json.dumps({"id": "x", "turns": []}) + "\n") * 3)
     with pytest.raises(TaskDataError, match="UltraChat"):
-        compose_task("sharegpt", f"data_files={tmp_path / 'bad.jsonl'}", "holdout={validation:1,test:1}").load_split(
-            "train"
-        )
+        compose_task(
+            "sharegpt", f"data_files={tmp_path / 'bad.jsonl'}", "holdout={validation:1,test:1}"
+        ).load_split("train")
+
 
 def test_run_python_timeout_and_failure():
     assert run_python("assert sum([1, 2]) == 3").passed

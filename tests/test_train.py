@@ -113,7 +113,6 @@ def test_evaluate_reports_every_policy_and_the_acceptance_head_ratios(chain):
     }
 
 
-
 def test_evaluate_offline_only_decodes_the_target_alone_and_estimates_every_draft(chain, tmp_path):
     """`evaluate.offline_only=true` (a data-size study's cheap points): one decoded row, the target's, and every
     drafter's offline tokens per target call at each K, the same figure the full evaluate run estimated at K = 2."""
@@ -129,9 +128,12 @@ def test_evaluate_offline_only_decodes_the_target_alone_and_estimates_every_draf
     offline = report["settings"]["offline_tokens_per_target_call"]
     assert set(offline) == {"adaspec", "prompt_lookup", "adaspec+prompt_lookup"}
     assert all(set(by_k) == {"1", "2"} for by_k in offline.values()), offline
-    full = json.loads((chain["evaluate"] / "report.json").read_text())["settings"]["offline_tokens_per_target_call"]
+    full = json.loads((chain["evaluate"] / "report.json").read_text())["settings"][
+        "offline_tokens_per_target_call"
+    ]
     assert offline["adaspec"]["2"] == pytest.approx(full["adaspec"]["2"])
     assert not (run_dir / "prompt_lookup_speculative_config.json").exists()  # no K was chosen for lookup
+
 
 # -- the console ----------------------------------------------------------------------------------------------------
 
