@@ -96,8 +96,9 @@ def main() -> int:
         )
         torch.set_num_threads(max(1, os.cpu_count() or 1))
     # the experiment's own composition (a pipeline's, which holds the target_answers step's settings), one split
-    answers = ["target_answers.splits=[train]", f"target_answers.max_prompts={args.prompts}"]
-    answers.append(f"models.dtype={args.dtype}")
+    answers = [
+        "target_answers.splits=[train]", f"target_answers.max_prompts={args.prompts}", f"models.dtype={args.dtype}",
+    ]  # fmt: skip
     cfg = compose_run([*args.config, *answers])
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(tmp) / "target"

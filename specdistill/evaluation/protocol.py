@@ -230,12 +230,13 @@ def evaluate_drafts(
     unknown = sorted(set(heads) - set(drafts))
     if unknown:
         raise ValueError(f"heads given for drafts that are not evaluated: {unknown}")
-    stray = sorted(k for k, v in (hybrids or {}).items() if k not in (lookups or {}) or v not in drafts)
+    hybrids = dict(hybrids or {})
+    lookups = dict(lookups or {})
+    stray = sorted(k for k, v in hybrids.items() if k not in lookups or v not in drafts)
     if stray:
         raise ValueError(
             f"hybrids {stray} must name a lookup given in `lookups` and a draft given in `drafts`"
         )
-    lookups = dict(lookups or {})
     clash = sorted(set(lookups) & set(drafts))
     if clash:
         raise ValueError(f"lookups {clash} have the names of drafts: give them other names")
@@ -275,7 +276,7 @@ def evaluate_drafts(
             combinations.append((draft_name, f"{draft_name}_{name}"))
     for name, lookup in lookups.items():
         draft_k = {}
-        if name in (hybrids or {}):
+        if name in hybrids:
             lookup.draft_length = draft_k["draft_k"] = choices[hybrids[name]]["best_k"]
         best_k, per_k = best_fixed_length(target, lookup, list(protocol.fixed_lengths), **selection)
         choices[name] = {"best_k": best_k, "tokens_per_second_by_k": per_k, **draft_k}

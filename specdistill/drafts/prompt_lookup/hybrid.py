@@ -1,12 +1,13 @@
 """Prompt lookup first, a trained draft otherwise: one round drafts from whichever the context favours.
 
-Where the context offers an n-gram match (code that repeats its names, an answer that quotes its prompt) lookup's
-block costs nothing to draft; elsewhere the trained draft proposes as it always does. The rule is fixed: a match
-wins. Each side drafts at its own length: lookup up to the round's K, the trained draft up to `draft_length` (the
-evaluation sets the K chosen for that draft alone, `specdistill.evaluation.protocol`), since a lookup block costs
-nothing per candidate while every chain step of a trained draft costs a forward pass. The trained draft keeps its whole lifecycle: it is rolled back and shown the target's states after every
-round, lookup's rounds included, and it catches up on the tokens it did not see the next time it drafts (a draft LM
-reads them in one pass; an EAGLE-3 head drafts from the target states it was shown).
+Where the context offers an n-gram match (code that repeats its names, an answer that quotes its prompt)
+lookup's block costs nothing to draft; elsewhere the trained draft proposes as it always does. The rule is
+fixed: a match wins. Each side drafts at its own length: lookup up to the round's K, the trained draft up to
+`draft_length` (the evaluation sets the K chosen for that draft alone, `specdistill.evaluation.protocol`),
+since a lookup block costs nothing per candidate while every chain step of a trained draft costs a forward
+pass. The trained draft keeps its whole lifecycle: it is rolled back and shown the target's states after every
+round, lookup's rounds included, and it catches up on the tokens it did not see the next time it drafts (a
+draft LM reads them in one pass; an EAGLE-3 head drafts from the target states it was shown).
 """
 
 from __future__ import annotations
