@@ -6,6 +6,8 @@ same prompts, same K, greedy.
     python benchmarks/vllm_draft_model.py --run outputs/<pipeline run> [--config experiment=smollm2_stdlib]
         [--drafts untrained distillspec adaspec] [--prompts 10] [--max-new-tokens 64] [--k 4]
     python benchmarks/vllm_draft_model.py --run outputs/<run> --config experiment=smollm2_eagle3 --drafts distillspec adaspec
+    python benchmarks/vllm_draft_model.py --run runs/best --config experiment=smollm2_best --drafts adaspec --speed \
+        --k 2 --lookup-k 8 --prompts 40 --dtype bfloat16
 
 The pair and the prompts come from the project's configs as `train.py` composes them (`--config`, default the real
 pair's `experiment=smollm2_stdlib`): the target is saved as safetensors for vLLM (a GGUF target is de-quantised
@@ -19,6 +21,11 @@ spec_decode_num_drafts` from `LLM.get_metrics()`; ours: `accepted_by_position / 
 overall acceptance rate and whether vLLM's output equals the autoregressive target's token for token (exit status 1
 if not). vLLM also drafts right after the prefill, where our engine has no draft round yet, so the counts differ a
 little; the rates compare the same drafts on the same text.
+
+`--speed` asks instead how much faster vLLM serves with each draft: vLLM's own tokens/s with the draft (and with
+vLLM's `ngram` prompt lookup at `--lookup-k`) over vLLM without one, the prompts sent one at a time after a
+warm-up request (a served user's latency; engine start not counted), in `--dtype`, with how many of the outputs
+equal vLLM's own without a draft (exit status 1 if not all).
 """
 
 from __future__ import annotations
@@ -55,18 +62,37 @@ ENGINE = {
     "trust_remote_code": False,
     "disable_log_stats": False,
 }
+# `timed`: one warm-up request first, then the requests one at a time (a served user's latency, batch 1), timed;
+# the counters are the timed requests' own (the warm-up's subtracted)
 WORKER = """
-import json, sys
+import json, sys, time
 from vllm import LLM, SamplingParams
 request = json.loads(sys.argv[1])
 llm = LLM(**request["engine"])
-outputs = llm.generate([{"prompt_token_ids": p} for p in request["prompts"]],
-                       SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True))
-counters = {}
-for m in llm.get_metrics():
-    if m.name.startswith("vllm:spec_decode"):
-        counters[m.name] = m.value if hasattr(m, "value") else list(m.values)
-print("RESULT " + json.dumps({"responses": [list(o.outputs[0].token_ids) for o in outputs], "counters": counters}))
+params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True)
+prompts = [{"prompt_token_ids": p} for p in request["prompts"]]
+
+def counters():
+    found = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode"):
+            found[m.name] = m.value if hasattr(m, "value") else list(m.values)
+    return found
+
+before, seconds = {}, None
+if request.get("timed"):
+    llm.generate(prompts[:1], params, use_tqdm=False)
+    before = counters()
+    start = time.perf_counter()
+    outputs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    seconds = time.perf_counter() - start
+else:
+    outputs = llm.generate(prompts, params)
+after = counters()
+for name, value in before.items():
+    after[name] = [a - b for a, b in zip(after[name], value)] if isinstance(value, list) else after[name] - value
+print("RESULT " + json.dumps({"responses": [list(o.outputs[0].token_ids) for o in outputs], "counters": after,
+                              "seconds": seconds}))
 """
 
 
@@ -125,24 +151,81 @@ def vllm_method(draft_dir: Path) -> str:
     return "eagle3" if isinstance(exported_kind(draft_dir), Eagle3) else "draft_model"
 
 
-def vllm_rates(python: str, target_dir: Path, draft_dir: Path, prompts, new_tokens: int, k: int, cwd: Path):
-    """(accepted fraction by position, (accepted_per_draft, acceptance_rate), outputs) of vLLM with the draft."""
-    speculative = {"method": vllm_method(draft_dir), "model": str(draft_dir), "num_speculative_tokens": k}
-    engine = {**ENGINE, "model": str(target_dir), "speculative_config": speculative,
+def serve(
+    python: str,
+    target_dir: Path,
+    speculative: dict | None,
+    prompts,
+    new_tokens: int,
+    cwd: Path,
+    *,
+    dtype: str = "float32",
+    timed: bool = False,
+) -> dict:
+    """vLLM's greedy `{"responses", "counters", "seconds"}` for `prompts`, drafting with `speculative` (None: none);
+    `timed`: one request at a time after a warm-up, `seconds` their wall time (the WORKER's note)."""
+    k = speculative["num_speculative_tokens"] if speculative else 0
+    engine = {**ENGINE, "model": str(target_dir), "speculative_config": speculative, "dtype": dtype,
               "max_model_len": max(map(len, prompts)) + new_tokens + k + 8}  # fmt: skip
-    request = json.dumps({"engine": engine, "prompts": prompts, "max_tokens": new_tokens})
+    request = json.dumps({"engine": engine, "prompts": prompts, "max_tokens": new_tokens, "timed": timed})
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run([python, "-c", WORKER, request], capture_output=True, text=True, env=env, cwd=cwd)
     if proc.returncode != 0:
         raise SystemExit(f"vLLM failed ({python}):\n{proc.stderr[-6000:]}")
-    answer = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
-    counters = answer["counters"]
+    return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+
+
+def draft_config(draft_dir: Path, k: int) -> dict:
+    """vLLM's `speculative_config` for one of our exports at K = `k`."""
+    return {"method": vllm_method(draft_dir), "model": str(draft_dir), "num_speculative_tokens": k}
+
+
+def acceptance(counters: dict, k: int) -> tuple[list[float], tuple[float, float]]:
+    """(accepted fraction by position, (accepted_per_draft, acceptance_rate)) from vLLM's counters."""
     drafts = counters["vllm:spec_decode_num_drafts"]
     per_position = (list(counters.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []) + [0] * k)[:k]
     accepted = counters["vllm:spec_decode_num_accepted_tokens"]
     tested = accepted + drafts - per_position[k - 1]  # every draft not accepted whole ends on one rejection
     rates = (accepted / max(1, counters["vllm:spec_decode_num_draft_tokens"]), accepted / max(1, tested))
-    return [a / max(1, drafts) for a in per_position], rates, answer["responses"]
+    return [a / max(1, drafts) for a in per_position], rates
+
+
+def vllm_rates(python: str, target_dir: Path, draft_dir: Path, prompts, new_tokens: int, k: int, cwd: Path):
+    """(accepted fraction by position, (accepted_per_draft, acceptance_rate), outputs) of vLLM with the draft."""
+    answer = serve(python, target_dir, draft_config(draft_dir, k), prompts, new_tokens, cwd)
+    by_position, rates = acceptance(answer["counters"], k)
+    return by_position, rates, answer["responses"]
+
+
+def speed(args, target_dir: Path, folders: dict[str, Path], prompts, cwd: Path) -> bool:
+    """vLLM's own tokens/s with each draft (and with its `ngram` prompt lookup, `--lookup-k`) over vLLM without a
+    draft, same prompts, one request at a time; True if a draft changed vLLM's greedy output."""
+    configs = {name: draft_config(folder, args.k) for name, folder in folders.items()}
+    if args.lookup_k:
+        configs["prompt_lookup"] = {"method": "ngram", "num_speculative_tokens": args.lookup_k,
+                                    "prompt_lookup_min": 1, "prompt_lookup_max": 3}  # fmt: skip
+    run = dict(dtype=args.dtype, timed=True)
+    base = serve(args.vllm_python, target_dir, None, prompts, args.max_new_tokens, cwd, **run)
+    tokens = len(prompts) * args.max_new_tokens
+    print(
+        f"vLLM, {args.dtype}, {len(prompts)} prompts one at a time, {args.max_new_tokens} tokens each, greedy"
+    )
+    print(f"  no draft: {tokens / base['seconds']:.2f} tokens/s")
+    changed = False
+    for name, speculative in configs.items():
+        answer = serve(args.vllm_python, target_dir, speculative, prompts, args.max_new_tokens, cwd, **run)
+        k = speculative["num_speculative_tokens"]
+        _, (_, rate) = acceptance(answer["counters"], k)
+        calls = answer["counters"]["vllm:spec_decode_num_drafts"]
+        same = sum(a == b for a, b in zip(answer["responses"], base["responses"], strict=True))
+        changed |= same != len(prompts)
+        print(
+            f"  {name} (K = {k}): {tokens / answer['seconds']:.2f} tokens/s, "
+            f"{base['seconds'] / answer['seconds']:.2f}x vLLM without a draft; {tokens / max(1, calls):.3f} tokens "
+            f"per drafting round, acceptance_rate {rate:.3f}; identical to vLLM without a draft: "
+            f"{same}/{len(prompts)}"
+        )
+    return changed
 
 
 def main() -> int:
@@ -158,6 +241,14 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--vllm-python", default=default_vllm_python())
+    parser.add_argument(
+        "--speed", action="store_true",
+        help="vLLM's tokens/s with each draft against vLLM without one (one request at a time), not the rates",
+    )  # fmt: skip
+    parser.add_argument("--dtype", default="float32", help="vLLM's dtype with --speed")
+    parser.add_argument(
+        "--lookup-k", type=int, default=0, help="with --speed, also vLLM's ngram lookup at this K"
+    )
     args = parser.parse_args()
     if args.vllm_python is None:
         raise SystemExit(
@@ -177,6 +268,10 @@ def main() -> int:
     cfg = compose_run(args.config)
     tokenizer, target, prompts = pair_and_prompts(cfg, args.prompts)
     vocab = len(tokenizer)
+    if args.speed:
+        with tempfile.TemporaryDirectory() as tmp:
+            target.save_pretrained(Path(tmp) / "target", safe_serialization=True)
+            return int(speed(args, Path(tmp) / "target", folders, prompts, Path(tmp)))
     reference = [autoregressive(target, p, args.max_new_tokens, GREEDY, None, vocab).tokens for p in prompts]
     failed = False
     with tempfile.TemporaryDirectory() as tmp:

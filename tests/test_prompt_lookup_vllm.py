@@ -4,6 +4,7 @@ output equals the target's, and it accepts about as many of its candidates as ou
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -15,8 +16,9 @@ from specdistill.decoding.sampling import SamplingConfig
 from specdistill.decoding.stats import DecodingStats
 from specdistill.drafts.prompt_lookup.export import write_ngram_config
 from specdistill.drafts.prompt_lookup.proposer import PromptLookupProposer
+from tests.helpers import ROOT
 from tests.test_eagle3_vllm import serve_with_vllm, vllm_llama
-from tests.test_vllm_backend import needs_vllm
+from tests.test_vllm_backend import VLLM_PYTHON, needs_vllm
 
 pytestmark = pytest.mark.slow
 
@@ -53,3 +55,34 @@ def test_vllm_serves_the_exported_ngram_settings_as_our_engine_decodes(tmp_path)
     print(
         f"prompt lookup acceptance: ours {our_rate:.3f} over {stats.drafted_tokens} candidates, vLLM {vllm_rate:.3f}"
     )
+
+
+@needs_vllm
+def test_the_speed_benchmark_times_only_the_requests_it_counts(tmp_path):
+    """benchmarks/vllm_draft_model.py --speed: one request at a time after a warm-up, and the counters it reports are
+    those of the timed requests alone (the warm-up's subtracted), equal to an untimed run's on the same prompts."""
+    spec = importlib.util.spec_from_file_location(
+        "vllm_draft_model", ROOT / "benchmarks" / "vllm_draft_model.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    torch.manual_seed(0)
+    target = vllm_llama(VOCAB, num_layers=2)
+    target.save_pretrained(tmp_path / "target")
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 8, (6,), generator=gen).tolist() * 2 for _ in range(4)]
+    references = [autoregressive(target, p, NEW_TOKENS, GREEDY, None, VOCAB).tokens for p in prompts]
+    speculative = {
+        "method": "ngram",
+        "num_speculative_tokens": K,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3,
+    }
+    timed, untimed = (
+        bench.serve(VLLM_PYTHON, tmp_path / "target", speculative, prompts, NEW_TOKENS, tmp_path, timed=t)
+        for t in (True, False)
+    )
+    assert timed["responses"] == untimed["responses"] == references
+    assert timed["seconds"] > 0 and untimed["seconds"] is None
+    assert timed["counters"] == untimed["counters"]
+    assert timed["counters"]["vllm:spec_decode_num_drafts"] > 0
