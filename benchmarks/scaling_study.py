@@ -16,7 +16,7 @@ one resumes from its checkpoint (specdistill/stages/pipeline.py). The phases, in
    problems (no step trained on them) and gives every head's offline tokens per target call at each K of
    `--lengths` (`evaluate.offline_only`; under greedy float32 decoding it equals the decoded figure).
 4. `decode`: one `evaluate` run in `--dtype` (greedy) with the heads of the `--decode-sizes` largest sizes, prompt
-   lookup and each head behind lookup: tokens per target call and tokens/s against the autoregressive target in
+   lookup and each head behind lookup (not with `--no-decode-hybrids`): tokens per target call and tokens/s against the autoregressive target in
    the same dtype; K chosen on the task's validation prompts.
 5. `report`: `<out>/scaling.md` and `<out>/scaling.png`: tokens per target call at K = 1..6 by size and
    method, each head alone and behind prompt lookup (the hybrid), the fitted trend at `--goal-k` (tokens per call against log10 of the training answer tokens) and the
@@ -63,6 +63,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
     parser.add_argument("--decode-sizes", type=int, default=2, help="the largest sizes also decoded")
     parser.add_argument("--dtype", default="bfloat16", help="the decoded run's models.dtype")
+    parser.add_argument(
+        "--decode-hybrids", action=argparse.BooleanOptionalAction, default=True,
+        help="decode each head behind prompt lookup too (about half the decoded run's time)",
+    )  # fmt: skip
     parser.add_argument("--goal", type=float, default=2.3, help="tokens per target call the trend is read at")
     parser.add_argument("--goal-k", type=int, default=4)
     parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
@@ -115,12 +119,12 @@ def drafts_overrides(args: argparse.Namespace, chosen: list[tuple[int, int]]) ->
     ]
 
 
-def evaluate_overrides(args: argparse.Namespace) -> list[str]:
+def evaluate_overrides(args: argparse.Namespace, hybrids: bool = True) -> list[str]:
     lengths = ",".join(map(str, args.lengths))
     return [
         "pipeline.steps=[evaluate]", f"+task.answers_from={answers_folder(args)}",
         f"evaluate.num_prompts={args.test_prompts}", f"evaluate.fixed_lengths=[{lengths}]",
-        f"evaluate.acceptance_draft_length={args.goal_k}", "evaluate.prompt_lookup.hybrid=true",
+        f"evaluate.acceptance_draft_length={args.goal_k}", f"evaluate.prompt_lookup.hybrid={str(hybrids).lower()}",
     ]  # fmt: skip
 
 
@@ -272,8 +276,8 @@ def main(argv: list[str] | None = None) -> None:
         train(args, overrides, args.out / "offline")
     if "decode" in args.phases:
         largest = [(n, 0) for n in args.sizes[-args.decode_sizes :]]
-        train(args, [*evaluate_overrides(args), *drafts_overrides(args, largest), f"models.dtype={args.dtype}"],
-              args.out / "decode")  # fmt: skip
+        overrides = [*evaluate_overrides(args, args.decode_hybrids), *drafts_overrides(args, largest)]
+        train(args, [*overrides, f"models.dtype={args.dtype}"], args.out / "decode")
     if "report" in args.phases:
         report(args)
 

@@ -46,6 +46,12 @@ def test_every_point_composes_with_only_the_data_moving(study, tmp_path):
         f"n{n}_s{s}{m}" for n, s in study.points(args) for m in ("", "_adaspec")
     )
     assert offline.evaluate.offline_only and offline.evaluate.fixed_lengths == [1, 2, 3, 4, 5, 6]
+    assert offline.evaluate.prompt_lookup.hybrid
+    bare = study.parse_args(["--out", str(tmp_path), "--no-decode-hybrids"])
+    with hydra_conf():
+        decode = compose("train", overrides=["experiment=smollm2_eagle3",
+                                             *study.evaluate_overrides(bare, bare.decode_hybrids)])  # fmt: skip
+    assert not decode.evaluate.prompt_lookup.hybrid and args.decode_hybrids
     with pytest.raises(SystemExit):
         study.parse_args(["--out", str(tmp_path), "--sizes", "40", "10"])
 
