@@ -7,7 +7,7 @@ same prompts, same K, greedy.
         [--drafts untrained distillspec adaspec] [--prompts 10] [--max-new-tokens 64] [--k 4]
     python benchmarks/vllm_draft_model.py --run outputs/<run> --config experiment=smollm2_eagle3 --drafts distillspec adaspec
     python benchmarks/vllm_draft_model.py --run runs/best --config experiment=smollm2_best --drafts adaspec --speed \
-        --k 2 --lookup-k 8 --prompts 40 --dtype bfloat16
+        --k 2 --lookup-k 12 --prompts 20 --dtype bfloat16
 
 The pair and the prompts come from the project's configs as `train.py` composes them (`--config`, default the real
 pair's `experiment=smollm2_stdlib`): the target is saved as safetensors for vLLM (a GGUF target is de-quantised
@@ -90,7 +90,10 @@ else:
     outputs = llm.generate(prompts, params)
 after = counters()
 for name, value in before.items():
-    after[name] = [a - b for a, b in zip(after[name], value)] if isinstance(value, list) else after[name] - value
+    if isinstance(value, list):
+        after[name] = [a - b for a, b in zip(after[name], value + [0] * (len(after[name]) - len(value)))]
+    else:
+        after[name] -= value
 print("RESULT " + json.dumps({"responses": [list(o.outputs[0].token_ids) for o in outputs], "counters": after,
                               "seconds": seconds}))
 """
@@ -197,13 +200,15 @@ def vllm_rates(python: str, target_dir: Path, draft_dir: Path, prompts, new_toke
     return by_position, rates, answer["responses"]
 
 
-def speed(args, target_dir: Path, folders: dict[str, Path], prompts, cwd: Path) -> bool:
-    """vLLM's own tokens/s with each draft (and with its `ngram` prompt lookup, `--lookup-k`) over vLLM without a
-    draft, same prompts, one request at a time; True if a draft changed vLLM's greedy output."""
+def speed(args, lookup, target_dir: Path, folders: dict[str, Path], prompts, cwd: Path) -> bool:
+    """vLLM's own tokens/s with each draft (and with its `ngram` prompt lookup, `--lookup-k`, at the n-gram bounds
+    of the composed `lookup` settings, `evaluate.prompt_lookup`) over vLLM without a draft, same prompts, one
+    request at a time; True if a draft changed vLLM's greedy output."""
+    from specdistill.drafts.prompt_lookup.export import ngram_speculative_config
+
     configs = {name: draft_config(folder, args.k) for name, folder in folders.items()}
     if args.lookup_k:
-        configs["prompt_lookup"] = {"method": "ngram", "num_speculative_tokens": args.lookup_k,
-                                    "prompt_lookup_min": 1, "prompt_lookup_max": 3}  # fmt: skip
+        configs["prompt_lookup"] = ngram_speculative_config(lookup.min_ngram, lookup.max_ngram, args.lookup_k)
     run = dict(dtype=args.dtype, timed=True)
     base = serve(args.vllm_python, target_dir, None, prompts, args.max_new_tokens, cwd, **run)
     tokens = len(prompts) * args.max_new_tokens
@@ -271,7 +276,8 @@ def main() -> int:
     if args.speed:
         with tempfile.TemporaryDirectory() as tmp:
             target.save_pretrained(Path(tmp) / "target", safe_serialization=True)
-            return int(speed(args, Path(tmp) / "target", folders, prompts, Path(tmp)))
+            lookup = cfg.evaluate.prompt_lookup
+            return int(speed(args, lookup, Path(tmp) / "target", folders, prompts, Path(tmp)))
     reference = [autoregressive(target, p, args.max_new_tokens, GREEDY, None, vocab).tokens for p in prompts]
     failed = False
     with tempfile.TemporaryDirectory() as tmp:
