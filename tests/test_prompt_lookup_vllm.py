@@ -14,7 +14,7 @@ from specdistill.decoding.engine import SpeculativeDecoder, autoregressive
 from specdistill.decoding.policies import FixedLength
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.decoding.stats import DecodingStats
-from specdistill.drafts.prompt_lookup.export import write_ngram_config
+from specdistill.drafts.prompt_lookup.export import ngram_speculative_config, write_ngram_config
 from specdistill.drafts.prompt_lookup.proposer import PromptLookupProposer
 from tests.helpers import ROOT
 from tests.test_eagle3_vllm import serve_with_vllm, vllm_llama
@@ -72,12 +72,7 @@ def test_the_speed_benchmark_times_only_the_requests_it_counts(tmp_path):
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 8, (6,), generator=gen).tolist() * 2 for _ in range(4)]
     references = [autoregressive(target, p, NEW_TOKENS, GREEDY, None, VOCAB).tokens for p in prompts]
-    speculative = {
-        "method": "ngram",
-        "num_speculative_tokens": K,
-        "prompt_lookup_min": 1,
-        "prompt_lookup_max": 3,
-    }
+    speculative = ngram_speculative_config(1, 3, K)
     timed, untimed = (
         bench.serve(VLLM_PYTHON, tmp_path / "target", speculative, prompts, NEW_TOKENS, tmp_path, timed=t)
         for t in (True, False)
