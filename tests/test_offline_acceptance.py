@@ -102,6 +102,9 @@ def test_the_walk_follows_the_engine_rules():
     assert fixed_length_calls([0, 5, 0, 0], 2, 10, 4) == 1
     with pytest.raises(ValueError, match="prompt_length"):
         fixed_length_calls(runs, 0, 6, 4)
+    # an output longer than the budget (answers re-tokenised from text, a wrong budget) is refused, not walked
+    with pytest.raises(ValueError, match="more than max_new_tokens=5"):
+        fixed_length_calls(runs, 2, 5, 4)
 
 
 def test_lookup_candidates_are_vllm_blocks_and_the_hybrid_takes_them_first():

@@ -72,6 +72,12 @@ def fixed_length_calls(
             f"prompt_length must be >= 1 (the first anchor is the prompt's last token), got {prompt_length}"
         )
     end = len(runs)
+    if end - prompt_length > max_new_tokens:
+        # the walk could not go on past the budget (no round may draft): refuse rather than loop forever
+        raise ValueError(
+            f"the sequence holds {end - prompt_length} output tokens, more than max_new_tokens={max_new_tokens}: "
+            "give the budget the outputs were generated under (and sequences generated under it)"
+        )
     t, calls = prompt_length - 1, 0
     while t < end - 1:
         emitted = t + 1 - prompt_length
