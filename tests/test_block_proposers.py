@@ -329,6 +329,28 @@ def test_the_hybrids_draft_rounds_stop_at_its_draft_length(pair):
         HybridProposer(PromptLookupProposer(V, CPU), DraftLMProposer(draft, V), draft_length=0)
 
 
+def test_the_hybrids_lookup_lengths_choose_which_matches_lookup_drafts(pair):
+    target, draft = pair
+    prompts = [[4, 7, 1, 4, 7, 1, 4, 7], [9, 3, 9, 3, 2, 9, 3], list(range(10))]
+    references = [autoregressive(target, p, 30, GREEDY, None, V).tokens for p in prompts]
+    rounds = {}
+    for lengths in (None, frozenset({2, 3}), frozenset()):
+        hybrid = HybridProposer(
+            PromptLookupProposer(V, CPU), DraftLMProposer(draft, V), lookup_lengths=lengths
+        )
+        decoder = SpeculativeDecoder(target, hybrid, FixedLength(4), GREEDY, None, V)
+        rounds[lengths] = [0, 0]
+        for prompt, reference in zip(prompts, references, strict=True):
+            assert decoder.generate(prompt, 30).tokens == reference, lengths
+            rounds[lengths][0] += hybrid.lookup_rounds
+            rounds[lengths][1] += hybrid.draft_rounds
+    # no kept length: every round is the draft's; only longer matches: fewer lookup rounds than every match
+    assert rounds[frozenset()][0] == 0 and rounds[frozenset()][1] > 0
+    assert 0 < rounds[frozenset({2, 3})][0] < rounds[None][0]
+    with pytest.raises(ValueError, match="lookup_lengths"):
+        HybridProposer(PromptLookupProposer(V, CPU), DraftLMProposer(draft, V), lookup_lengths=frozenset({0}))
+
+
 def test_the_hybrid_samples_the_target_distribution_when_the_draft_proposes():
     target, draft = toy_pair(SMALL_V, hidden_size=16, num_heads=2, initializer_range=0.5, noise=1.0, seed=5)
     exact = exact_two_token_distribution(target, STAT_PROMPT, SMALL_SAMPLING, SMALL_V)

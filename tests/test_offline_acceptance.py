@@ -15,6 +15,7 @@ from specdistill.decoding.policies import FixedLength
 from specdistill.drafts.base import NO_CANDIDATE, DraftKind
 from specdistill.drafts.eagle3.kind import Eagle3, TargetVocabularyHead
 from specdistill.drafts.eagle3.proposer import Eagle3Proposer
+from specdistill.drafts.prompt_lookup.choice import lookup_rows, match_lengths
 from specdistill.drafts.prompt_lookup.hybrid import HybridProposer
 from specdistill.drafts.prompt_lookup.proposer import PromptLookupProposer
 from specdistill.evaluation.offline import (
@@ -193,8 +194,13 @@ def test_prompt_lookup_and_the_hybrid_offline_equal_decoded():
         chain = DraftKind().chain_candidates(draft, None, _batch(s), depth, V)
         return hybrid_candidates(lookup(s), chain, draft_length)
 
+    def chosen(s):  # lookup only where it matched two tokens or more (`lookup_lengths`), the draft elsewhere
+        chain = DraftKind().chain_candidates(draft, None, _batch(s), depth, V)
+        return hybrid_candidates(lookup(s), chain, None, lookup_rows(match_lengths(s, 1, 3), {2, 3}))
+
     lookup_offline, hybrid_offline = _offline(lookup, sequences), _offline(hybrid, sequences)
     capped_offline = _offline(functools.partial(hybrid, draft_length=1), sequences)
+    chosen_offline = _offline(chosen, sequences)
     proposer = PromptLookupProposer(V, torch.device("cpu"), 1, 3)
     for k in LENGTHS:
         assert lookup_offline[k] == pytest.approx(_decoded(target, proposer, k), rel=1e-9), k
@@ -205,8 +211,12 @@ def test_prompt_lookup_and_the_hybrid_offline_equal_decoded():
         assert capped_offline[k] == pytest.approx(
             _decoded(target, HybridProposer(proposer, draft, draft_length=1), k), rel=1e-9
         )
+        assert chosen_offline[k] == pytest.approx(
+            _decoded(target, HybridProposer(proposer, draft, lookup_lengths=frozenset({2, 3})), k), rel=1e-9
+        )
     assert lookup_offline[4] > 1.0  # lookup was accepted somewhere: the comparison counted its blocks
     assert capped_offline[4] != hybrid_offline[4]  # the cap changed some round: the comparison tested it
+    assert chosen_offline[4] != hybrid_offline[4]  # so did the choice: some one-token match went to the draft
 
 
 class _CountingKind(DraftKind):
@@ -221,7 +231,7 @@ class _CountingKind(DraftKind):
 
 def test_the_evaluate_stage_runs_each_draft_once_per_sequence_for_its_row_and_its_hybrid_row():
     """`offline_estimate` with `prompt_lookup.hybrid`: the draft's row and its hybrid row read one teacher-forced pass
-    per sequence, and both equal what the offline functions give on their own."""
+    per sequence, and both equal what the offline functions give on their own, the hybrid's with its choices."""
     from types import SimpleNamespace
 
     from specdistill.drafts.base import LoadedDraft
@@ -246,7 +256,7 @@ def test_the_evaluate_stage_runs_each_draft_once_per_sequence_for_its_row_and_it
         {},
         settings,
         V,
-        {"d+prompt_lookup": 2},
+        {"d+prompt_lookup": {"draft_k": 2, "lookup_lengths": [2, 3]}},
     )
     assert _CountingKind.passes == len(PROMPTS)
     depth = max(LENGTHS)
@@ -255,6 +265,10 @@ def test_the_evaluate_stage_runs_each_draft_once_per_sequence_for_its_row_and_it
         return DraftKind().chain_candidates(draft, None, _batch(s), depth, V)
 
     assert table["d"] == _offline(chain, sequences)
+    # the hybrid's choice as evaluated: its draft rounds capped at 2, lookup only on matches of 2 or 3 tokens
     assert table["d+prompt_lookup"] == _offline(
-        lambda s: hybrid_candidates(lookup_candidates(s, 1, 3, depth), chain(s), 2), sequences
+        lambda s: hybrid_candidates(
+            lookup_candidates(s, 1, 3, depth), chain(s), 2, lookup_rows(match_lengths(s, 1, 3), [2, 3])
+        ),
+        sequences,
     )

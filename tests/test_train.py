@@ -315,3 +315,31 @@ def test_unknown_task_lists_the_options(tmp_path):
     proc = run_train(["task=not_a_task", f"hydra.run.dir={tmp_path}"])
     assert proc.returncode != 0
     assert "gsm8k" in proc.stderr  # Hydra lists the available task options
+
+
+def test_evaluate_fits_the_hybrids_choice_of_matches_on_the_selection_split(chain, tmp_path):
+    """`evaluate.prompt_lookup.choice=fitted`: the hybrid's kept match lengths are fitted on validation answers after
+    its K is chosen, recorded with its choices, and the offline estimate follows them (it equals the decoded figure
+    as the fixed rule's does)."""
+    run_dir = tmp_path / "fitted"
+    check_ok(run_train(
+        ["stage=evaluate", *TINY, f"models.target.pretrained_model_name_or_path={chain['sft'] / 'export'}",
+         f"+evaluate.drafts.adaspec={chain['adaspec'] / 'export'}", "evaluate.num_prompts=2",
+         "evaluate.selection_prompts=2", "evaluate.max_new_tokens=6", "evaluate.fixed_lengths=[2]",
+         "evaluate.prompt_lookup.hybrid=true", "evaluate.prompt_lookup.choice=fitted",
+         "evaluate.prompt_lookup.choice_sequences=8", "evaluate.policies={}", f"hydra.run.dir={run_dir}"]
+    ))  # fmt: skip
+    report = json.loads((run_dir / "report.json").read_text())
+    chosen = report["settings"]["selection"]["adaspec+prompt_lookup"]["lookup_lengths"]
+    assert set(chosen) <= {1, 2, 3}
+    assert f"lookup at matched lengths {chosen}" in (run_dir / "report.txt").read_text()
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["adaspec+prompt_lookup/offline_over_decoded_k2"] == pytest.approx(1.0, abs=0.05)
+    bad = run_train(
+        ["stage=evaluate", *TINY, "evaluate.prompt_lookup.choice=best", f"hydra.run.dir={tmp_path / 'bad'}"]
+    )
+    assert bad.returncode != 0
+    assert (
+        "evaluate.prompt_lookup.choice='best' must be match (every match) or fitted"
+        in bad.stdout + bad.stderr
+    )

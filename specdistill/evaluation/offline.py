@@ -113,14 +113,20 @@ def lookup_candidates(tokens: torch.Tensor, min_ngram: int, max_ngram: int, dept
 
 
 def hybrid_candidates(
-    lookup: torch.Tensor, draft: torch.Tensor, draft_length: int | None = None
+    lookup: torch.Tensor,
+    draft: torch.Tensor,
+    draft_length: int | None = None,
+    from_lookup: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The hybrid's candidates (`HybridProposer`): lookup's block where it found a match, else the draft's chain,
-    cut after `draft_length` candidates (None: uncut)."""
+    """The hybrid's candidates (`HybridProposer`): lookup's block where it drafts, else the draft's chain, cut after
+    `draft_length` candidates (None: uncut). `from_lookup` `(T,)` bool marks the anchors where lookup drafts (its
+    `lookup_lengths`, `specdistill.drafts.prompt_lookup.choice.lookup_rows`); None: wherever it found a match."""
     if draft_length is not None:
         draft = draft.clone()
         draft[:, draft_length:] = NO_CANDIDATE
     found = lookup[:, :1] != NO_CANDIDATE
+    if from_lookup is not None:
+        found = found & from_lookup[:, None]
     return torch.where(found, lookup, draft)
 
 

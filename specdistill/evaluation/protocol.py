@@ -14,7 +14,8 @@ with an `EvalProtocol` (the grids, splits, decoding and timing below):
    policy of the grid, `<draft>/<draft>_acceptance_head_h{h}` (`_newest` suffix for newest-candidate scoring). Every
    engine, in selection and test, gets the same bound `max_draft_length`.
    The `lookups` (prompt lookup alone, and a draft behind it: `HybridProposer`) follow the drafts with one row each,
-   `<name>/fixed_k{K}` at the K chosen for them the same way.
+   `<name>/fixed_k{K}` at the K chosen for them the same way. With `fit_hybrid`, a hybrid's choice of the matches
+   it drafts from lookup (`HybridProposer.lookup_lengths`) is then fitted at the chosen K and its draft's K.
    With `acceptance_draft_length` = K0 (AdaSPEC's alpha, measured at one fixed draft length), every draft also runs
    `<draft>/fixed_k{K0}` on the test split (if K0 is not already its chosen K), and `acceptance_at_fixed_length`
    reports each draft's `acceptance_rate` there, beside the speed results.
@@ -27,7 +28,7 @@ with an `EvalProtocol` (the grids, splits, decoding and timing below):
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +89,7 @@ def format_ratios(choices: Mapping[str, Mapping[str, Any]], ratios: Mapping[str,
     chosen = "; ".join(
         f"{d}: K={c['best_k']}"
         + (f" (the draft's rounds K={c['draft_k']})" if c.get("draft_k") else "")
+        + (f", lookup at matched lengths {c['lookup_lengths']}" if "lookup_lengths" in c else "")
         + (f", {c['best_head']}" if c.get("best_head") else "")
         for d, c in choices.items()
     )
@@ -203,6 +205,7 @@ def evaluate_drafts(
     eos_token_id: int | Sequence[int] | None = None,
     lookups: Mapping[str, Drafter] | None = None,
     hybrids: Mapping[str, str] | None = None,
+    fit_hybrid: Callable[[str, int, int], frozenset[int]] | None = None,
 ) -> EvaluationResult:
     """Choose K (and h) per draft on the selection split, then decode the test prompts with everything (module doc).
 
@@ -226,6 +229,9 @@ def evaluate_drafts(
         hybrids: lookup name -> the draft a `HybridProposer` in `lookups` drafts from where lookup finds nothing;
             its rounds from that draft are capped at the K chosen for the draft alone (`choices[name]["draft_k"]`),
             set on the proposer (`draft_length`) before its own K is chosen.
+        fit_hybrid: `(draft name, the hybrid's K, the draft's K) -> the matched lengths lookup keeps`, called once
+            per hybrid after its K is chosen; the result is set on the proposer (`lookup_lengths`) for the test
+            split (`specdistill.drafts.prompt_lookup.choice`). None: the fixed rule, lookup on every match.
     """
     unknown = sorted(set(heads) - set(drafts))
     if unknown:
@@ -280,6 +286,9 @@ def evaluate_drafts(
             lookup.draft_length = draft_k["draft_k"] = choices[hybrids[name]]["best_k"]
         best_k, per_k = best_fixed_length(target, lookup, list(protocol.fixed_lengths), **selection)
         choices[name] = {"best_k": best_k, "tokens_per_second_by_k": per_k, **draft_k}
+        if name in hybrids and fit_hybrid is not None:
+            lookup.lookup_lengths = fit_hybrid(hybrids[name], best_k, draft_k["draft_k"])
+            choices[name]["lookup_lengths"] = sorted(lookup.lookup_lengths)
         all_policies.setdefault(f"fixed_k{best_k}", FixedLength(best_k))
         combinations.append((name, f"fixed_k{best_k}"))
     order = [*drafts, *lookups]

@@ -21,11 +21,18 @@ from torch import nn
 from specdistill.decoding.cost import cached_verification_cost
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.drafts.base import LoadedDraft
+from specdistill.drafts.prompt_lookup.choice import (
+    accepted_by_length,
+    fit_lookup_lengths,
+    lookup_rows,
+    match_lengths,
+)
 from specdistill.drafts.prompt_lookup.export import write_ngram_config
 from specdistill.drafts.prompt_lookup.hybrid import HybridProposer
 from specdistill.drafts.prompt_lookup.proposer import PromptLookupProposer
 from specdistill.errors import ConfigError
 from specdistill.evaluation.offline import (
+    accepted_runs,
     decoded_fixed_lengths,
     decoded_sequences,
     format_cost,
@@ -111,11 +118,16 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
         task_metric_name=task.metric_name,
         lookups={} if offline_only else lookups,
         hybrids={} if offline_only else hybrids,
+        fit_hybrid=(
+            hybrid_choice(datamodule, target, loaded, settings, vocab_size)
+            if lookup is not None and lookup.hybrid and lookup.choice == "fitted" and not offline_only
+            else None
+        ),
     )
     if result.report.settings["sampling"]["greedy"]:
         offline = offline_estimate(
             result.report, test_prompts, target, loaded, {**models, **lookups}, settings, vocab_size,
-            {hybrid: result.choices[hybrid]["draft_k"] for hybrid in hybrids if hybrid in result.choices},
+            {hybrid: result.choices[hybrid] for hybrid in hybrids if hybrid in result.choices},
         )  # fmt: skip
         result.report.settings["offline_tokens_per_target_call"] = offline
         decoded = decoded_fixed_lengths(result.report, list(offline))
@@ -155,35 +167,18 @@ def offline_estimate(
     proposers: dict[str, Any],
     settings: EvaluateSettings,
     vocab_size: int,
-    draft_lengths: dict[str, int],
+    hybrid_choices: dict[str, dict[str, Any]],
 ) -> dict[str, dict[int, float | None]]:
     """Each draft's (and prompt lookup's) tokens per target call at every K of the grid, from teacher-forced passes
     over the target's greedy test outputs (`specdistill.evaluation.offline`); a hybrid's draft rounds capped at its
-    `draft_lengths` entry, as they were decoded (none: uncapped, as under `offline_only`, where no K is chosen)."""
+    choice's `draft_k` and its lookup rounds kept to its `lookup_lengths`, as they were decoded (no choice: uncapped
+    and every match, as under `offline_only`, where no K is chosen)."""
     sequences, prompt_lengths = decoded_sequences(report, prompts)
     lengths = sorted(set(settings.fixed_lengths))
     depth = lengths[-1]
-    device = next(target.parameters()).device
-
-    def chain(draft: LoadedDraft) -> Callable[[torch.Tensor], torch.Tensor]:
-        # kept per sequence: the draft's own row and its hybrid row read the same chain, and a draft's teacher-forced
-        # pass is the expensive part (the `sequences` list keeps every tensor alive, so its id is a stable key)
-        kept: dict[int, torch.Tensor] = {}
-
-        def candidates(seq: torch.Tensor) -> torch.Tensor:
-            if id(seq) not in kept:
-                batch = {
-                    "input_ids": seq[None].to(device),
-                    "attention_mask": torch.ones(1, seq.numel(), device=device),
-                }
-                kept[id(seq)] = draft.kind.chain_candidates(
-                    draft.model, target, batch, depth, vocab_size
-                ).cpu()
-            return kept[id(seq)]
-
-        return candidates
-
-    candidates = {name: chain(draft) for name, draft in loaded.items()}
+    candidates = {
+        name: teacher_forced_chain(draft, target, depth, vocab_size) for name, draft in loaded.items()
+    }
     lookup = settings.prompt_lookup
     if lookup is not None:
         candidates[LOOKUP_NAME] = functools.partial(
@@ -192,20 +187,82 @@ def offline_estimate(
         if lookup.hybrid:
             for name in loaded:
                 hybrid = f"{name}+{LOOKUP_NAME}"
+                choice = hybrid_choices.get(hybrid, {})
                 candidates[hybrid] = functools.partial(
-                    _hybrid, candidates[LOOKUP_NAME], candidates[name], draft_lengths.get(hybrid)
-                )
+                    _hybrid, candidates[LOOKUP_NAME], candidates[name], choice.get("draft_k"),
+                    choice.get("lookup_lengths"), (lookup.min_ngram, lookup.max_ngram),
+                )  # fmt: skip
     prefill = {name: bool(getattr(p, "drafts_after_prefill", False)) for name, p in proposers.items()}
     return offline_table(candidates, sequences, prompt_lengths, settings.max_new_tokens, lengths, prefill)
+
+
+def teacher_forced_chain(
+    draft: LoadedDraft, target: nn.Module, depth: int, vocab_size: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`sequence (T,) -> (T, depth)` the draft's greedy chains along it (`DraftKind.chain_candidates`), kept per
+    sequence: a draft's own row and its hybrid's read the same chain, and the teacher-forced pass is the expensive
+    part (the caller's list keeps every sequence alive, so its id is a stable key)."""
+    device = next(target.parameters()).device
+    kept: dict[int, torch.Tensor] = {}
+
+    def candidates(seq: torch.Tensor) -> torch.Tensor:
+        if id(seq) not in kept:
+            batch = {
+                "input_ids": seq[None].to(device),
+                "attention_mask": torch.ones(1, seq.numel(), device=device),
+            }
+            kept[id(seq)] = draft.kind.chain_candidates(draft.model, target, batch, depth, vocab_size).cpu()
+        return kept[id(seq)]
+
+    return candidates
 
 
 def _hybrid(
     lookup: Callable[[torch.Tensor], torch.Tensor],
     draft: Callable[[torch.Tensor], torch.Tensor],
     draft_length: int | None,
+    lookup_lengths: list[int] | None,
+    ngrams: tuple[int, int],
     seq: torch.Tensor,
 ) -> torch.Tensor:
-    return hybrid_candidates(lookup(seq), draft(seq), draft_length)
+    from_lookup = None if lookup_lengths is None else lookup_rows(match_lengths(seq, *ngrams), lookup_lengths)
+    return hybrid_candidates(lookup(seq), draft(seq), draft_length, from_lookup)
+
+
+def hybrid_choice(
+    datamodule: Any,
+    target: nn.Module,
+    loaded: dict[str, LoadedDraft],
+    settings: EvaluateSettings,
+    vocab_size: int,
+) -> Callable[[str, int, int], frozenset[int]]:
+    """`evaluate_drafts`' `fit_hybrid` for `evaluate.prompt_lookup.choice=fitted`: each hybrid's matched lengths
+    fitted (`specdistill.drafts.prompt_lookup.choice`) on the selection split's sequences (prompt and training
+    answer: the target's own answers under `task.answers_from`), at most `prompt_lookup.choice_sequences` of them."""
+    lookup = settings.prompt_lookup
+    count = lookup.choice_sequences
+    rows = datamodule.tokenized(settings.selection_split).select_columns(["input_ids"])
+    sequences = [
+        torch.tensor(row["input_ids"], dtype=torch.long) for row in rows.select(range(min(count, len(rows))))
+    ]
+    prompt_lengths = [len(p["prompt_ids"]) for p in datamodule.prompts(settings.selection_split)[:count]]
+    if not sequences:
+        raise ConfigError(
+            f"evaluate.prompt_lookup.choice=fitted fits on the {settings.selection_split!r} split, which has no "
+            "examples: give the task that split, or set evaluate.prompt_lookup.choice=match."
+        )
+    depth = max(settings.fixed_lengths)
+    matched = [match_lengths(s, lookup.min_ngram, lookup.max_ngram) for s in sequences]
+    blocks = [lookup_candidates(s, lookup.min_ngram, lookup.max_ngram, depth) for s in sequences]
+    chains = {name: teacher_forced_chain(draft, target, depth, vocab_size) for name, draft in loaded.items()}
+
+    def fit(draft: str, k: int, draft_k: int) -> frozenset[int]:
+        lookup_runs = [accepted_runs(b, s).clamp(max=k) for b, s in zip(blocks, sequences, strict=True)]
+        draft_runs = [accepted_runs(chains[draft](s), s).clamp(max=draft_k) for s in sequences]
+        table = accepted_by_length(matched, lookup_runs, draft_runs, prompt_lengths)
+        return fit_lookup_lengths(table, lookup.max_ngram)
+
+    return fit
 
 
 def target_cost(

@@ -551,11 +551,20 @@ class PromptLookupSettings:
     hybrid: bool
     """Also run every draft behind lookup (`<draft>+prompt_lookup`): lookup's block (up to the hybrid's own K) where
     the context offers a match, otherwise the draft's, at the K chosen for that draft alone."""
+    choice: str
+    """Which matches a hybrid drafts from lookup: `match` (every match, the fixed rule) or `fitted` (the matched
+    suffix lengths where lookup accepts at least as many tokens as the draft on the selection split's answers,
+    specdistill/drafts/prompt_lookup/choice.py)."""
+    choice_sequences: int
+    """With `choice: fitted`, most selection-split sequences (prompt and answer) the choice is fitted on."""
 
     def __post_init__(self) -> None:
         where = "evaluate.prompt_lookup"
         check_count(where, "min_ngram", self.min_ngram)
         check_count(where, "max_ngram", self.max_ngram)
+        check_count(where, "choice_sequences", self.choice_sequences)
+        if self.choice not in ("match", "fitted"):
+            raise ConfigError(f"{where}.choice={self.choice!r} must be match (every match) or fitted.")
         if self.min_ngram > self.max_ngram:
             raise ConfigError(
                 f"{where}.min_ngram={self.min_ngram} is above {where}.max_ngram={self.max_ngram}: give "

@@ -8,6 +8,9 @@ since a lookup block costs nothing per candidate while every chain step of a tra
 pass. The trained draft keeps its whole lifecycle: it is rolled back and shown the target's states after every
 round, lookup's rounds included, and it catches up on the tokens it did not see the next time it drafts (a
 draft LM reads them in one pass; an EAGLE-3 head drafts from the target states it was shown).
+
+`lookup_lengths` replaces the fixed rule with a choice: lookup drafts only where its matched suffix has one of those
+lengths, the trained draft everywhere else (`specdistill.drafts.prompt_lookup.choice` fits them on held-out answers).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ class HybridProposer(WrappingProposer):
         draft: the trained draft: a `Proposer` (run as a chain), a `BlockProposer`, or a causal LM (drafted with
             through a `DraftLMProposer`), on the same vocabulary.
         draft_length: most candidates a round drafted by `draft` holds (None: the round's K, as lookup's).
+        lookup_lengths: the matched suffix lengths at which lookup drafts (None: every match, the fixed rule);
+            a round with a match of another length is the draft's.
     """
 
     def __init__(
@@ -47,9 +52,11 @@ class HybridProposer(WrappingProposer):
         lookup: PromptLookupProposer,
         draft: Proposer | BlockProposer | nn.Module,
         draft_length: int | None = None,
+        lookup_lengths: frozenset[int] | None = None,
     ) -> None:
         self.lookup = lookup
         self.draft_length = draft_length
+        self.lookup_lengths = lookup_lengths
         if not isinstance(draft, Proposer | BlockProposer):  # a causal LM, as the engine takes one
             draft = DraftLMProposer(draft, lookup.vocab_size)
         self.draft = self.wrapped = draft if isinstance(draft, BlockProposer) else ChainProposer(draft)
@@ -74,6 +81,20 @@ class HybridProposer(WrappingProposer):
         self._draft_length = value
 
     @property
+    def lookup_lengths(self) -> frozenset[int] | None:
+        return self._lookup_lengths
+
+    @lookup_lengths.setter
+    def lookup_lengths(self, value: frozenset[int] | None) -> None:
+        if value is not None:
+            value = frozenset(value)
+            if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in value):
+                raise ValueError(
+                    f"lookup_lengths must be None or matched lengths (ints >= 1), got {sorted(value)!r}"
+                )
+        self._lookup_lengths = value
+
+    @property
     def chained(self) -> bool:  # type: ignore[override]
         return self._from_draft and self.draft.chained
 
@@ -86,8 +107,8 @@ class HybridProposer(WrappingProposer):
     def propose_block(self, tokens: torch.Tensor, request: BlockRequest) -> DraftBlock:
         # every round starts with lookup, which refuses a policy that reads hidden states (it has none)
         if not self._from_draft:
-            block = self.lookup.propose_block(tokens, request)
-            if len(block):
+            matched, block = self.lookup.matched_block(tokens, request)
+            if len(block) and (self.lookup_lengths is None or matched in self.lookup_lengths):
                 self.lookup_rounds += 1
                 return block
             self._from_draft = True

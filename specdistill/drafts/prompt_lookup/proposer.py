@@ -14,10 +14,10 @@ import torch
 from specdistill.decoding.proposers.base import BlockProposer, BlockRequest, DraftBlock, check_vocab_size
 
 
-def lookup_continuation(
+def lookup_match(
     context: torch.Tensor, min_ngram: int, max_ngram: int, max_tokens: int
-) -> torch.Tensor:
-    """The tokens after the earliest earlier occurrence of the longest matching suffix n-gram (maybe none).
+) -> tuple[int, torch.Tensor]:
+    """The longest suffix n-gram that occurred earlier, and the tokens after its earliest earlier occurrence.
 
     Args:
         context: `(L,)` token ids, the sequence so far.
@@ -25,8 +25,9 @@ def lookup_continuation(
         max_tokens: most tokens returned.
 
     Returns:
-        `(m,)` with `0 <= m <= max_tokens`: empty when no suffix of `min_ngram..max_ngram` tokens occurred before
-        (or the context is too short); otherwise the continuation, cut at the end of the context.
+        `(n, continuation)`: `n = 0` and an empty `(0,)` when no suffix of `min_ngram..max_ngram` tokens occurred
+        before (or the context is too short); otherwise the matched suffix's length and the `(m,)` tokens after
+        its earliest earlier occurrence, `0 <= m <= max_tokens`, cut at the end of the context.
     """
     length = context.numel()
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
@@ -35,8 +36,15 @@ def lookup_continuation(
         hits = (earlier == context[length - n :]).all(dim=1).nonzero()
         if hits.numel():
             start = int(hits[0, 0]) + n
-            return context[start : start + max_tokens]
-    return context[:0]
+            return n, context[start : start + max_tokens]
+    return 0, context[:0]
+
+
+def lookup_continuation(
+    context: torch.Tensor, min_ngram: int, max_ngram: int, max_tokens: int
+) -> torch.Tensor:
+    """`lookup_match`'s continuation alone: what prompt lookup drafts after `context` (maybe nothing)."""
+    return lookup_match(context, min_ngram, max_ngram, max_tokens)[1]
 
 
 def _check_ngram(name: str, value: int) -> int:
@@ -80,13 +88,17 @@ class PromptLookupProposer(BlockProposer):
         self.forwards = 0
 
     def propose_block(self, tokens: torch.Tensor, request: BlockRequest) -> DraftBlock:
+        return self.matched_block(tokens, request)[1]
+
+    def matched_block(self, tokens: torch.Tensor, request: BlockRequest) -> tuple[int, DraftBlock]:
+        """`propose_block`'s block, with the length of the suffix it matched (`lookup_match`; 0: none, empty)."""
         if request.with_hidden:
             raise ValueError(
                 "prompt lookup has no hidden states for a policy to read: use a policy without "
                 "needs_hidden_states (fixed, heuristic, confidence, entropy, oracle) with it"
             )
-        found = lookup_continuation(tokens[0], self.min_ngram, self.max_ngram, request.max_length)
-        return DraftBlock(found.clone())
+        length, found = lookup_match(tokens[0], self.min_ngram, self.max_ngram, request.max_length)
+        return length, DraftBlock(found.clone())
 
     def rollback(self, length: int) -> None:
         pass
