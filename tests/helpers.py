@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -104,3 +105,11 @@ def hydra_conf() -> Iterator[None]:
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         yield
     GlobalHydra.instance().clear()
+
+
+def load_benchmark(name: str):
+    """`benchmarks/<name>.py` as a module (the folder is not a package), to test its functions."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

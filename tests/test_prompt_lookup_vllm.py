@@ -4,7 +4,6 @@ output equals the target's, and it accepts about as many of its candidates as ou
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
@@ -16,7 +15,7 @@ from specdistill.decoding.sampling import SamplingConfig
 from specdistill.decoding.stats import DecodingStats
 from specdistill.drafts.prompt_lookup.export import ngram_speculative_config, write_ngram_config
 from specdistill.drafts.prompt_lookup.proposer import PromptLookupProposer
-from tests.helpers import ROOT
+from tests.helpers import load_benchmark
 from tests.test_eagle3_vllm import serve_with_vllm, vllm_llama
 from tests.test_vllm_backend import VLLM_PYTHON, needs_vllm
 
@@ -61,11 +60,7 @@ def test_vllm_serves_the_exported_ngram_settings_as_our_engine_decodes(tmp_path)
 def test_the_speed_benchmark_times_only_the_requests_it_counts(tmp_path):
     """benchmarks/vllm_draft_model.py --speed: one request at a time after a warm-up, and the counters it reports are
     those of the timed requests alone (the warm-up's subtracted), equal to an untimed run's on the same prompts."""
-    spec = importlib.util.spec_from_file_location(
-        "vllm_draft_model", ROOT / "benchmarks" / "vllm_draft_model.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("vllm_draft_model")
     torch.manual_seed(0)
     target = vllm_llama(VOCAB, num_layers=2)
     target.save_pretrained(tmp_path / "target")

@@ -3,7 +3,6 @@ measured (the study itself runs on the real pair: docs/results/scaling.md)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -11,15 +10,12 @@ from pathlib import Path
 import pytest
 from hydra import compose
 
-from tests.helpers import ROOT, hydra_conf
+from tests.helpers import hydra_conf, load_benchmark
 
 
 @pytest.fixture(scope="module")
 def study():
-    spec = importlib.util.spec_from_file_location("scaling_study", ROOT / "benchmarks" / "scaling_study.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("scaling_study")
 
 
 def test_every_point_composes_with_only_the_data_moving(study, tmp_path):
@@ -102,12 +98,7 @@ def test_the_report_reads_the_runs_it_names(study, tmp_path):
 
 @pytest.fixture(scope="module")
 def chooser():
-    spec = importlib.util.spec_from_file_location(
-        "choose_on_validation", ROOT / "benchmarks" / "choose_on_validation.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("choose_on_validation")
 
 
 def test_a_setting_is_chosen_on_validation_prompts_only(chooser, tmp_path):
