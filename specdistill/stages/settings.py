@@ -554,7 +554,8 @@ class PromptLookupSettings:
     choice: str
     """Which matches a hybrid drafts from lookup: `match` (every match, the fixed rule) or `fitted` (the matched
     suffix lengths where lookup accepts at least as many tokens as the draft on the selection split's answers,
-    specdistill/drafts/prompt_lookup/choice.py)."""
+    specdistill/drafts/prompt_lookup/choice.py), at the hybrid's chosen K and its draft's. It is fitted from greedy
+    acceptance along those answers, also when the run samples."""
     choice_sequences: int
     """With `choice: fitted`, most selection-split sequences (prompt and answer) the choice is fitted on."""
 
