@@ -37,16 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from vllm_draft_model import compose_run  # noqa: E402
 
-from specdistill.drafts.prompt_lookup.choice import (  # noqa: E402
-    accepted_by_length,
-    fit_lookup_lengths,
-    lookup_rows,
-    match_lengths,
-)
+from specdistill.drafts.prompt_lookup.choice import accepted_by_length, fit_lookup_lengths, lookup_rows  # noqa: E402
 from specdistill.evaluation.offline import (  # noqa: E402
     accepted_runs,
     hybrid_candidates,
-    lookup_candidates,
+    lookup_blocks,
     tokens_per_target_call,
 )
 
@@ -117,14 +112,8 @@ def teacher_forced(cfg, draft_dir: Path, count: int, min_ngram: int, max_ngram: 
     sequences = []
     for row in list(rows)[:count]:
         tokens = torch.tensor(row["input_ids"], dtype=torch.long)
-        sequences.append(
-            {
-                "tokens": tokens,
-                "lengths": match_lengths(tokens, min_ngram, max_ngram),
-                "lookup": lookup_candidates(tokens, min_ngram, max_ngram, depth),
-                "draft": chain(tokens),
-            }
-        )
+        blocks, lengths = lookup_blocks(tokens, min_ngram, max_ngram, depth)
+        sequences.append({"tokens": tokens, "lengths": lengths, "lookup": blocks, "draft": chain(tokens)})
     return sequences, prompt_lengths
 
 

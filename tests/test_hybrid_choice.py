@@ -8,14 +8,9 @@ import pytest
 import torch
 
 from specdistill.drafts.base import NO_CANDIDATE
-from specdistill.drafts.prompt_lookup.choice import (
-    accepted_by_length,
-    fit_lookup_lengths,
-    lookup_rows,
-    match_lengths,
-)
+from specdistill.drafts.prompt_lookup.choice import accepted_by_length, fit_lookup_lengths, lookup_rows
 from specdistill.drafts.prompt_lookup.proposer import lookup_continuation, lookup_match
-from specdistill.evaluation.offline import hybrid_candidates, lookup_candidates
+from specdistill.evaluation.offline import hybrid_candidates, lookup_blocks, lookup_candidates
 from tests.helpers import load_benchmark
 
 
@@ -27,8 +22,10 @@ def study():
 def test_the_match_length_is_the_longest_suffix_seen_before():
     tokens = torch.tensor([5, 6, 7, 5, 6])
     # anchor 3: "5" seen at 0 (n = 1); anchor 4: "5 6" seen at 0 (n = 2); earlier anchors: nothing repeats
-    assert match_lengths(tokens, 1, 3).tolist() == [0, 0, 0, 1, 2]
-    assert match_lengths(tokens, 2, 3).tolist() == [0, 0, 0, 0, 2]
+    blocks, lengths = lookup_blocks(tokens, 1, 3, 2)
+    assert lengths.tolist() == [0, 0, 0, 1, 2]
+    assert lookup_blocks(tokens, 2, 3, 2)[1].tolist() == [0, 0, 0, 0, 2]
+    assert torch.equal(blocks, lookup_candidates(tokens, 1, 3, 2))
     n, block = lookup_match(tokens, 1, 3, 4)
     assert n == 2 and torch.equal(block, lookup_continuation(tokens, 1, 3, 4))
 
@@ -68,11 +65,12 @@ def sequences(draft: str, depth: int = 4) -> list[dict[str, torch.Tensor]]:
     out = []
     for seed in range(6):
         tokens = torch.randint(0, 6, (40,), generator=torch.Generator().manual_seed(seed))
+        blocks, lengths = lookup_blocks(tokens, 1, 3, depth)
         out.append(
             {
                 "tokens": tokens,
-                "lengths": match_lengths(tokens, 1, 3),
-                "lookup": lookup_candidates(tokens, 1, 3, depth),
+                "lengths": lengths,
+                "lookup": blocks,
                 "draft": oracle(tokens, depth)
                 if draft == "oracle"
                 else torch.full((40, depth), NO_CANDIDATE),

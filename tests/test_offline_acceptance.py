@@ -15,7 +15,7 @@ from specdistill.decoding.policies import FixedLength
 from specdistill.drafts.base import NO_CANDIDATE, DraftKind
 from specdistill.drafts.eagle3.kind import Eagle3, TargetVocabularyHead
 from specdistill.drafts.eagle3.proposer import Eagle3Proposer
-from specdistill.drafts.prompt_lookup.choice import lookup_rows, match_lengths
+from specdistill.drafts.prompt_lookup.choice import lookup_rows
 from specdistill.drafts.prompt_lookup.hybrid import HybridProposer
 from specdistill.drafts.prompt_lookup.proposer import PromptLookupProposer
 from specdistill.evaluation.offline import (
@@ -23,6 +23,7 @@ from specdistill.evaluation.offline import (
     fixed_length_calls,
     format_offline,
     hybrid_candidates,
+    lookup_blocks,
     lookup_candidates,
     offline_table,
 )
@@ -196,7 +197,8 @@ def test_prompt_lookup_and_the_hybrid_offline_equal_decoded():
 
     def chosen(s):  # lookup only where it matched two tokens or more (`lookup_lengths`), the draft elsewhere
         chain = DraftKind().chain_candidates(draft, None, _batch(s), depth, V)
-        return hybrid_candidates(lookup(s), chain, None, lookup_rows(match_lengths(s, 1, 3), {2, 3}))
+        blocks, lengths = lookup_blocks(s, 1, 3, depth)
+        return hybrid_candidates(blocks, chain, None, lookup_rows(lengths, {2, 3}))
 
     lookup_offline, hybrid_offline = _offline(lookup, sequences), _offline(hybrid, sequences)
     capped_offline = _offline(functools.partial(hybrid, draft_length=1), sequences)
@@ -268,7 +270,10 @@ def test_the_evaluate_stage_runs_each_draft_once_per_sequence_for_its_row_and_it
     # the hybrid's choice as evaluated: its draft rounds capped at 2, lookup only on matches of 2 or 3 tokens
     assert table["d+prompt_lookup"] == _offline(
         lambda s: hybrid_candidates(
-            lookup_candidates(s, 1, 3, depth), chain(s), 2, lookup_rows(match_lengths(s, 1, 3), [2, 3])
+            lookup_candidates(s, 1, 3, depth),
+            chain(s),
+            2,
+            lookup_rows(lookup_blocks(s, 1, 3, depth)[1], [2, 3]),
         ),
         sequences,
     )

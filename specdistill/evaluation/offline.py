@@ -24,7 +24,7 @@ import torch
 
 from specdistill.decoding.cost import tokens_per_cost
 from specdistill.drafts.base import NO_CANDIDATE
-from specdistill.drafts.prompt_lookup.proposer import lookup_continuation
+from specdistill.drafts.prompt_lookup.proposer import lookup_match
 from specdistill.evaluation.report import Report
 
 
@@ -103,13 +103,22 @@ def tokens_per_target_call(
     return tokens / calls if calls else None
 
 
-def lookup_candidates(tokens: torch.Tensor, min_ngram: int, max_ngram: int, depth: int) -> torch.Tensor:
-    """`(T, depth)` prompt lookup's block after every anchor (`lookup_continuation` of `tokens[:t + 1]`)."""
+def lookup_blocks(
+    tokens: torch.Tensor, min_ngram: int, max_ngram: int, depth: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt lookup after every anchor (`lookup_match` of `tokens[:t + 1]`): `(T, depth)` its block, and `(T,)` the
+    length of the suffix it matched (0: none; the hybrid's fitted choice reads it)."""
     out = tokens.new_full((tokens.numel(), depth), NO_CANDIDATE)
+    lengths = torch.zeros(tokens.numel(), dtype=torch.long)
     for t in range(tokens.numel()):
-        block = lookup_continuation(tokens[: t + 1], min_ngram, max_ngram, depth)
+        lengths[t], block = lookup_match(tokens[: t + 1], min_ngram, max_ngram, depth)
         out[t, : block.numel()] = block
-    return out
+    return out, lengths
+
+
+def lookup_candidates(tokens: torch.Tensor, min_ngram: int, max_ngram: int, depth: int) -> torch.Tensor:
+    """`(T, depth)` prompt lookup's block after every anchor (`lookup_blocks` without the matched lengths)."""
+    return lookup_blocks(tokens, min_ngram, max_ngram, depth)[0]
 
 
 def hybrid_candidates(

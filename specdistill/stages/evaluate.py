@@ -21,12 +21,7 @@ from torch import nn
 from specdistill.decoding.cost import cached_verification_cost
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.drafts.base import LoadedDraft
-from specdistill.drafts.prompt_lookup.choice import (
-    accepted_by_length,
-    fit_lookup_lengths,
-    lookup_rows,
-    match_lengths,
-)
+from specdistill.drafts.prompt_lookup.choice import accepted_by_length, fit_lookup_lengths, lookup_rows
 from specdistill.drafts.prompt_lookup.export import write_ngram_config
 from specdistill.drafts.prompt_lookup.hybrid import HybridProposer
 from specdistill.drafts.prompt_lookup.proposer import PromptLookupProposer
@@ -38,7 +33,7 @@ from specdistill.evaluation.offline import (
     format_cost,
     format_offline,
     hybrid_candidates,
-    lookup_candidates,
+    lookup_blocks,
     offline_table,
 )
 from specdistill.evaluation.protocol import EvalProtocol, evaluate_drafts
@@ -181,17 +176,20 @@ def offline_estimate(
     }
     lookup = settings.prompt_lookup
     if lookup is not None:
-        candidates[LOOKUP_NAME] = functools.partial(
-            lookup_candidates, min_ngram=lookup.min_ngram, max_ngram=lookup.max_ngram, depth=depth
+        # one lookup pass per sequence serves lookup's row and every hybrid's
+        blocks = per_sequence(
+            functools.partial(
+                lookup_blocks, min_ngram=lookup.min_ngram, max_ngram=lookup.max_ngram, depth=depth
+            )
         )
+        candidates[LOOKUP_NAME] = lambda seq: blocks(seq)[0]
         if lookup.hybrid:
             for name in loaded:
                 hybrid = f"{name}+{LOOKUP_NAME}"
                 choice = hybrid_choices.get(hybrid, {})
                 candidates[hybrid] = functools.partial(
-                    _hybrid, candidates[LOOKUP_NAME], candidates[name], choice.get("draft_k"),
-                    choice.get("lookup_lengths"), (lookup.min_ngram, lookup.max_ngram),
-                )  # fmt: skip
+                    _hybrid, blocks, candidates[name], choice.get("draft_k"), choice.get("lookup_lengths")
+                )
     prefill = {name: bool(getattr(p, "drafts_after_prefill", False)) for name, p in proposers.items()}
     return offline_table(candidates, sequences, prompt_lengths, settings.max_new_tokens, lengths, prefill)
 
@@ -200,33 +198,43 @@ def teacher_forced_chain(
     draft: LoadedDraft, target: nn.Module, depth: int, vocab_size: int
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """`sequence (T,) -> (T, depth)` the draft's greedy chains along it (`DraftKind.chain_candidates`), kept per
-    sequence: a draft's own row and its hybrid's read the same chain, and the teacher-forced pass is the expensive
-    part (the caller's list keeps every sequence alive, so its id is a stable key)."""
+    sequence (`per_sequence`): a draft's own row and its hybrid's read the same chain, and the teacher-forced pass
+    is the expensive part."""
     device = next(target.parameters()).device
-    kept: dict[int, torch.Tensor] = {}
 
     def candidates(seq: torch.Tensor) -> torch.Tensor:
+        batch = {
+            "input_ids": seq[None].to(device),
+            "attention_mask": torch.ones(1, seq.numel(), device=device),
+        }
+        return draft.kind.chain_candidates(draft.model, target, batch, depth, vocab_size).cpu()
+
+    return per_sequence(candidates)
+
+
+def per_sequence(compute: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+    """`compute` computed once per sequence tensor (the caller's list keeps every sequence alive, so its id is a
+    stable key)."""
+    kept: dict[int, Any] = {}
+
+    def once(seq: torch.Tensor) -> Any:
         if id(seq) not in kept:
-            batch = {
-                "input_ids": seq[None].to(device),
-                "attention_mask": torch.ones(1, seq.numel(), device=device),
-            }
-            kept[id(seq)] = draft.kind.chain_candidates(draft.model, target, batch, depth, vocab_size).cpu()
+            kept[id(seq)] = compute(seq)
         return kept[id(seq)]
 
-    return candidates
+    return once
 
 
 def _hybrid(
-    lookup: Callable[[torch.Tensor], torch.Tensor],
+    lookup: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     draft: Callable[[torch.Tensor], torch.Tensor],
     draft_length: int | None,
     lookup_lengths: list[int] | None,
-    ngrams: tuple[int, int],
     seq: torch.Tensor,
 ) -> torch.Tensor:
-    from_lookup = None if lookup_lengths is None else lookup_rows(match_lengths(seq, *ngrams), lookup_lengths)
-    return hybrid_candidates(lookup(seq), draft(seq), draft_length, from_lookup)
+    blocks, matched = lookup(seq)
+    from_lookup = None if lookup_lengths is None else lookup_rows(matched, lookup_lengths)
+    return hybrid_candidates(blocks, draft(seq), draft_length, from_lookup)
 
 
 def hybrid_choice(
@@ -252,8 +260,9 @@ def hybrid_choice(
             "examples: give the task that split, or set evaluate.prompt_lookup.choice=match."
         )
     depth = max(settings.fixed_lengths)
-    matched = [match_lengths(s, lookup.min_ngram, lookup.max_ngram) for s in sequences]
-    blocks = [lookup_candidates(s, lookup.min_ngram, lookup.max_ngram, depth) for s in sequences]
+    blocks, matched = zip(
+        *(lookup_blocks(s, lookup.min_ngram, lookup.max_ngram, depth) for s in sequences), strict=True
+    )
     chains = {name: teacher_forced_chain(draft, target, depth, vocab_size) for name, draft in loaded.items()}
 
     def fit(draft: str, k: int, draft_k: int) -> frozenset[int]:

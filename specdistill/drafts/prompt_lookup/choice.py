@@ -15,16 +15,6 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from specdistill.drafts.prompt_lookup.proposer import lookup_match
-
-
-def match_lengths(tokens: torch.Tensor, min_ngram: int, max_ngram: int) -> torch.Tensor:
-    """`(T,)` the length of lookup's matched suffix at every anchor `t`, i.e. after `tokens[:t + 1]` (0: none)."""
-    return torch.tensor(
-        [lookup_match(tokens[: t + 1], min_ngram, max_ngram, 1)[0] for t in range(tokens.numel())],
-        dtype=torch.long,
-    )
-
 
 def lookup_rows(lengths: torch.Tensor, lookup_lengths: Iterable[int] | None) -> torch.Tensor:
     """`(T,)` bool: the anchors where the hybrid drafts from lookup (a match of a length it keeps; None: any)."""
@@ -44,7 +34,7 @@ def accepted_by_length(
     prompt's last token to the one before the sequence's last) where lookup matched.
 
     Args:
-        lengths: per sequence, `match_lengths`.
+        lengths: per sequence, the matched length at every anchor (`specdistill.evaluation.offline.lookup_blocks`).
         lookup_runs / draft_runs: per sequence, `accepted_runs` of each side, already capped at its K.
         prompt_lengths: per sequence, the prompt's length.
     """
