@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from vllm_draft_model import compose_run  # noqa: E402
 
-from specdistill.drafts.prompt_lookup.choice import accepted_by_length, fit_lookup_lengths, lookup_rows  # noqa: E402
+from specdistill.drafts.prompt_lookup.choice import fit_choice, lookup_rows  # noqa: E402
 from specdistill.evaluation.offline import (  # noqa: E402
     accepted_runs,
     hybrid_candidates,
@@ -57,17 +57,16 @@ def fold_figures(
 ) -> dict[str, object]:
     """Fit the choice on the `fit` sequences at (K, the draft's K), then offline tokens per target call of each
     drafter on the `score` sequences."""
-    capped = [
-        (accepted_runs(s["lookup"], s["tokens"]).clamp(max=k), accepted_runs(s["draft"], s["tokens"]).clamp(max=draft_k))
-        for s in sequences
-    ]  # fmt: skip
-    table = accepted_by_length(
-        [sequences[i]["lengths"] for i in fit],
-        [capped[i][0] for i in fit],
-        [capped[i][1] for i in fit],
+    table, kept = fit_choice(
+        [sequences[i]["tokens"] for i in fit],
+        [(sequences[i]["lookup"], sequences[i]["lengths"]) for i in fit],
+        [sequences[i]["draft"] for i in fit],
         [prompt_lengths[i] for i in fit],
+        k,
+        draft_k,
+        max_ngram,
     )
-    chosen = sorted(fit_lookup_lengths(table, max_ngram))
+    chosen = sorted(kept)
     budget = max(sequences[i]["tokens"].numel() - prompt_lengths[i] for i in score)
 
     def per_call(candidates, length: int) -> float | None:

@@ -21,13 +21,12 @@ from torch import nn
 from specdistill.decoding.cost import cached_verification_cost
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.drafts.base import LoadedDraft
-from specdistill.drafts.prompt_lookup.choice import accepted_by_length, fit_lookup_lengths, lookup_rows
+from specdistill.drafts.prompt_lookup.choice import fit_choice, lookup_rows
 from specdistill.drafts.prompt_lookup.export import write_ngram_config
 from specdistill.drafts.prompt_lookup.hybrid import HybridProposer
 from specdistill.drafts.prompt_lookup.proposer import PromptLookupProposer
 from specdistill.errors import ConfigError
 from specdistill.evaluation.offline import (
-    accepted_runs,
     decoded_fixed_lengths,
     decoded_sequences,
     format_cost,
@@ -260,16 +259,12 @@ def hybrid_choice(
             "examples: give the task that split, or set evaluate.prompt_lookup.choice=match."
         )
     depth = max(settings.fixed_lengths)
-    blocks, matched = zip(
-        *(lookup_blocks(s, lookup.min_ngram, lookup.max_ngram, depth) for s in sequences), strict=True
-    )
+    blocks = [lookup_blocks(s, lookup.min_ngram, lookup.max_ngram, depth) for s in sequences]
     chains = {name: teacher_forced_chain(draft, target, depth, vocab_size) for name, draft in loaded.items()}
 
     def fit(draft: str, k: int, draft_k: int) -> frozenset[int]:
-        lookup_runs = [accepted_runs(b, s).clamp(max=k) for b, s in zip(blocks, sequences, strict=True)]
-        draft_runs = [accepted_runs(chains[draft](s), s).clamp(max=draft_k) for s in sequences]
-        table = accepted_by_length(matched, lookup_runs, draft_runs, prompt_lengths)
-        return fit_lookup_lengths(table, lookup.max_ngram)
+        chain = [chains[draft](s) for s in sequences]
+        return fit_choice(sequences, blocks, chain, prompt_lengths, k, draft_k, lookup.max_ngram)[1]
 
     return fit
 

@@ -15,6 +15,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from specdistill.evaluation.offline import accepted_runs
+
 
 def lookup_rows(lengths: torch.Tensor, lookup_lengths: Iterable[int] | None) -> torch.Tensor:
     """`(T,)` bool: the anchors where the hybrid drafts from lookup (a match of a length it keeps; None: any)."""
@@ -55,3 +57,27 @@ def fit_lookup_lengths(table: dict[int, tuple[int, float, float]], max_ngram: in
     """The matched lengths at which lookup drafts: where it accepts at least as many tokens as the draft on
     average (`accepted_by_length`), and the lengths never seen (there the fixed rule stands)."""
     return frozenset(n for n in range(1, max_ngram + 1) if n not in table or table[n][1] >= table[n][2])
+
+
+def fit_choice(
+    sequences: Sequence[torch.Tensor],
+    lookup: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    draft: Sequence[torch.Tensor],
+    prompt_lengths: Sequence[int],
+    k: int,
+    draft_k: int,
+    max_ngram: int,
+) -> tuple[dict[int, tuple[int, float, float]], frozenset[int]]:
+    """The choice fitted on `sequences` at the hybrid's K and the draft's: `accepted_by_length`'s table and the
+    lengths lookup keeps (`fit_lookup_lengths`).
+
+    Args:
+        sequences: each prompt with the target's greedy answer, `(T,)`.
+        lookup: per sequence, `lookup_blocks` (blocks and matched lengths).
+        draft: per sequence, the draft's greedy chains `(T, J)` (`DraftKind.chain_candidates`).
+        prompt_lengths: per sequence, the prompt's length.
+    """
+    lookup_runs = [accepted_runs(b, s).clamp(max=k) for (b, _), s in zip(lookup, sequences, strict=True)]
+    draft_runs = [accepted_runs(c, s).clamp(max=draft_k) for c, s in zip(draft, sequences, strict=True)]
+    table = accepted_by_length([n for _, n in lookup], lookup_runs, draft_runs, prompt_lengths)
+    return table, fit_lookup_lengths(table, max_ngram)
