@@ -22,7 +22,7 @@ from specdistill.decoding.proposers import (
 from specdistill.decoding.sampling import SamplingConfig
 from specdistill.decoding.toy import toy_pair
 from specdistill.drafts.prompt_lookup.hybrid import HybridProposer
-from specdistill.drafts.prompt_lookup.proposer import PromptLookupProposer, lookup_continuation
+from specdistill.drafts.prompt_lookup.proposer import PromptLookupProposer, lookup_match
 from specdistill.models.acceptance_head import AcceptanceHead
 from tests.lossless import exact_two_token_distribution, matches_two_token_distribution
 from tests.test_architectures import PROMPT, tiny_pair
@@ -184,8 +184,8 @@ def _lookup_by_definition(context: list[int], min_n: int, max_n: int, k: int) ->
 
 def test_lookup_follows_the_longest_suffix_to_its_earliest_occurrence():
     context = torch.tensor([1, 2, 3, 4, 1, 2, 3, 9, 1, 2, 3])
-    assert lookup_continuation(context, 1, 3, 4).tolist() == [4, 1, 2, 3]  # [1, 2, 3] first at 0
-    assert lookup_continuation(context, 1, 3, 20).tolist() == [
+    assert lookup_match(context, 1, 3, 4)[1].tolist() == [4, 1, 2, 3]  # [1, 2, 3] first at 0
+    assert lookup_match(context, 1, 3, 20)[1].tolist() == [
         4,
         1,
         2,
@@ -195,8 +195,8 @@ def test_lookup_follows_the_longest_suffix_to_its_earliest_occurrence():
         2,
         3,
     ]  # cut at the context's end
-    assert lookup_continuation(context, 4, 4, 4).tolist() == []  # [9, 1, 2, 3] never came before
-    assert lookup_continuation(torch.tensor([5]), 1, 3, 4).tolist() == []
+    assert lookup_match(context, 4, 4, 4)[1].tolist() == []  # [9, 1, 2, 3] never came before
+    assert lookup_match(torch.tensor([5]), 1, 3, 4)[1].tolist() == []
     generator = torch.Generator().manual_seed(0)
     for _ in range(300):
         context = torch.randint(
@@ -204,7 +204,7 @@ def test_lookup_follows_the_longest_suffix_to_its_earliest_occurrence():
         )
         for min_n, max_n in ((1, 1), (1, 3), (2, 4), (3, 3)):
             expected = _lookup_by_definition(context.tolist(), min_n, max_n, 5)
-            assert lookup_continuation(context, min_n, max_n, 5).tolist() == expected
+            assert lookup_match(context, min_n, max_n, 5)[1].tolist() == expected
 
 
 @needs_vllm
@@ -228,7 +228,7 @@ def test_lookup_proposes_what_vllms_ngram_proposer_proposes():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     theirs = json.loads(done.stdout.strip().splitlines()[-1])
-    ours = [lookup_continuation(torch.tensor(c), lo, hi, 4).tolist() for c, lo, hi in cases]
+    ours = [lookup_match(torch.tensor(c), lo, hi, 4)[1].tolist() for c, lo, hi in cases]
     assert ours == theirs
     assert sum(map(bool, ours)) > 50 and sum(not x for x in ours) > 50  # matches and misses both occurred
 

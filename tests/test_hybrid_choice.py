@@ -9,8 +9,8 @@ import torch
 
 from specdistill.drafts.base import NO_CANDIDATE
 from specdistill.drafts.prompt_lookup.choice import accepted_by_length, fit_lookup_lengths, lookup_rows
-from specdistill.drafts.prompt_lookup.proposer import lookup_continuation, lookup_match
-from specdistill.evaluation.offline import hybrid_candidates, lookup_blocks, lookup_candidates
+from specdistill.drafts.prompt_lookup.proposer import lookup_match
+from specdistill.evaluation.offline import hybrid_candidates, lookup_blocks
 from tests.helpers import load_benchmark
 
 
@@ -25,9 +25,10 @@ def test_the_match_length_is_the_longest_suffix_seen_before():
     blocks, lengths = lookup_blocks(tokens, 1, 3, 2)
     assert lengths.tolist() == [0, 0, 0, 1, 2]
     assert lookup_blocks(tokens, 2, 3, 2)[1].tolist() == [0, 0, 0, 0, 2]
-    assert torch.equal(blocks, lookup_candidates(tokens, 1, 3, 2))
+    # each anchor's block is what lookup drafts after the sequence up to it, padded
+    assert blocks.tolist() == [[-1, -1], [-1, -1], [-1, -1], [6, 7], [7, 5]]
     n, block = lookup_match(tokens, 1, 3, 4)
-    assert n == 2 and torch.equal(block, lookup_continuation(tokens, 1, 3, 4))
+    assert n == 2 and block.tolist() == [7, 5, 6]
 
 
 def test_the_choice_keeps_lookup_where_it_accepts_as_much_and_at_lengths_never_seen():

@@ -24,7 +24,6 @@ from specdistill.evaluation.offline import (
     format_offline,
     hybrid_candidates,
     lookup_blocks,
-    lookup_candidates,
     offline_table,
 )
 from tests.test_architectures import tiny_pair
@@ -111,7 +110,7 @@ def test_the_walk_follows_the_engine_rules():
 
 def test_lookup_candidates_are_vllm_blocks_and_the_hybrid_takes_them_first():
     tokens = torch.tensor([5, 6, 7, 5, 6])
-    lookup = lookup_candidates(tokens, 1, 3, 3)
+    lookup = lookup_blocks(tokens, 1, 3, 3)[0]
     assert lookup[4].tolist() == [7, 5, 6]  # suffix 5 6 seen at 0: the three tokens after it
     assert lookup[0].tolist() == [NO_CANDIDATE] * 3  # a single token offers no earlier n-gram
     draft = torch.full((5, 3), 9)
@@ -189,7 +188,7 @@ def test_prompt_lookup_and_the_hybrid_offline_equal_decoded():
     depth = max(LENGTHS)
 
     def lookup(s):
-        return lookup_candidates(s, 1, 3, depth)
+        return lookup_blocks(s, 1, 3, depth)[0]
 
     def hybrid(s, draft_length=None):
         chain = DraftKind().chain_candidates(draft, None, _batch(s), depth, V)
@@ -270,7 +269,7 @@ def test_the_evaluate_stage_runs_each_draft_once_per_sequence_for_its_row_and_it
     # the hybrid's choice as evaluated: its draft rounds capped at 2, lookup only on matches of 2 or 3 tokens
     assert table["d+prompt_lookup"] == _offline(
         lambda s: hybrid_candidates(
-            lookup_candidates(s, 1, 3, depth),
+            lookup_blocks(s, 1, 3, depth)[0],
             chain(s),
             2,
             lookup_rows(lookup_blocks(s, 1, 3, depth)[1], [2, 3]),

@@ -116,11 +116,6 @@ def lookup_blocks(
     return out, lengths
 
 
-def lookup_candidates(tokens: torch.Tensor, min_ngram: int, max_ngram: int, depth: int) -> torch.Tensor:
-    """`(T, depth)` prompt lookup's block after every anchor (`lookup_blocks` without the matched lengths)."""
-    return lookup_blocks(tokens, min_ngram, max_ngram, depth)[0]
-
-
 def hybrid_candidates(
     lookup: torch.Tensor,
     draft: torch.Tensor,

@@ -40,13 +40,6 @@ def lookup_match(
     return 0, context[:0]
 
 
-def lookup_continuation(
-    context: torch.Tensor, min_ngram: int, max_ngram: int, max_tokens: int
-) -> torch.Tensor:
-    """`lookup_match`'s continuation alone: what prompt lookup drafts after `context` (maybe nothing)."""
-    return lookup_match(context, min_ngram, max_ngram, max_tokens)[1]
-
-
 def _check_ngram(name: str, value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -54,7 +47,7 @@ def _check_ngram(name: str, value: int) -> int:
 
 
 class PromptLookupProposer(BlockProposer):
-    """Drafts by n-gram lookup in the sequence so far (`lookup_continuation`); stateless, no forward passes.
+    """Drafts by n-gram lookup in the sequence so far (`lookup_match`); stateless, no forward passes.
 
     The engine caps each block at the round's remaining draft length (its `max_draft_length`, the policy's stop);
     a round whose context offers no match drafts nothing, and the target emits one token as without speculation.
