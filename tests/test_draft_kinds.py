@@ -4,6 +4,7 @@ records and out-of-range settings are clear errors; the config group picks the k
 
 from __future__ import annotations
 
+import ast
 import functools
 import json
 from pathlib import Path
@@ -246,3 +247,29 @@ def test_train_py_distils_a_cut_draft_and_evaluates_its_export(tmp_path: Path):
                         f"hydra.run.dir={evaluate}"]))  # fmt: skip
     names = [e["name"] for e in json.loads((evaluate / "report.json").read_text())["entries"]]
     assert "cut/fixed_k2" in names
+
+
+def _modules_importing(package: str, root: Path) -> set[str]:
+    """The files under `root`'s code (specdistill/, benchmarks/, train.py) that import `package` or a module in it."""
+    files = [*(root / "specdistill").rglob("*.py"), *(root / "benchmarks").rglob("*.py"), root / "train.py"]
+    found = set()
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            if any(name == package or name.startswith(package + ".") for name in names):
+                found.add(path.relative_to(root).as_posix())
+    return found
+
+
+@pytest.mark.parametrize("kind", ["dflash", "cut_layers"])
+def test_a_kind_added_in_its_own_folder_is_reached_through_the_registry_alone(kind):
+    """DFlash and the cut-layer draft live in `specdistill/drafts/<kind>/`: outside that folder only the registry
+    imports them, so stages, evaluation and export reach them through the kind interface, not by name."""
+    root = Path(__file__).resolve().parents[1]
+    importers = _modules_importing(f"specdistill.drafts.{kind}", root)
+    outside = {path for path in importers if not path.startswith(f"specdistill/drafts/{kind}/")}
+    assert outside == {"specdistill/drafts/registry.py"}
