@@ -266,13 +266,10 @@ def test_the_evaluate_stage_runs_each_draft_once_per_sequence_for_its_row_and_it
         return DraftKind().chain_candidates(draft, None, _batch(s), depth, V)
 
     assert table["d"] == _offline(chain, sequences)
+
     # the hybrid's choice as evaluated: its draft rounds capped at 2, lookup only on matches of 2 or 3 tokens
-    assert table["d+prompt_lookup"] == _offline(
-        lambda s: hybrid_candidates(
-            lookup_blocks(s, 1, 3, depth)[0],
-            chain(s),
-            2,
-            lookup_rows(lookup_blocks(s, 1, 3, depth)[1], [2, 3]),
-        ),
-        sequences,
-    )
+    def hybrid(s):
+        blocks, lengths = lookup_blocks(s, 1, 3, depth)
+        return hybrid_candidates(blocks, chain(s), 2, lookup_rows(lengths, [2, 3]))
+
+    assert table["d+prompt_lookup"] == _offline(hybrid, sequences)
