@@ -29,7 +29,10 @@ drafter's context cache holds the states of the first `C - n` context positions,
 them, extends it by the `n = --accepted + 1` newly verified positions `C - n .. C - 1` (`extend_cache`: `fc`, norm and
 every layer's keys and values of those positions; a round after `a` accepted candidates verifies `a + 1`), runs one
 `draft` pass of `block_size` positions (the newest token at position `C` and `block_size - 1` masks) and the target's
-output layer on the `block_size - 1` candidate states, greedy (argmax, as the other passes). `--accepted` defaults to
+output layer on the `block_size - 1` candidate states in one call, greedy (argmax, as the other passes): the whole
+block. The pass alone (extend + draft) and one candidate's output row are timed too: the proposer scores each
+candidate only when the engine asks for it, so a DFlash round of K candidates costs the pass + K rows, printed
+against the head's round of K and against the whole block. `--accepted` defaults to
 `block_size - 1` (a fully accepted block: the largest extend). Per block = (pass - the cache's prefill) / `--steps`;
 the draft pass with the output layer alone (no extend: the cache holds all `C` positions) is timed too. The block is
 printed against K EAGLE-3 head steps (K x the head's step above) for K = 1 .. block_size - 1, the chain that drafts
@@ -118,12 +121,18 @@ def head_catch_up(
 
 
 def dflash_blocks(
-    drafter, features: torch.Tensor, newest: torch.Tensor, new: int, rounds: int, vocab: int
+    drafter,
+    features: torch.Tensor,
+    newest: torch.Tensor,
+    new: int,
+    rounds: int,
+    vocab: int,
+    score: bool = True,
 ) -> Callable[[], None]:
     """A pass: the drafter's context cache over the first `C - new` of the `C` positions of `features` `(1, C, n H_t)`,
     then `rounds` times: the cache cropped back to them and extended by the `new` positions after them (skipped when
-    `new` is 0), one block after the `C` positions (`newest` `(1,)` first, then masks) and the target's output layer
-    on its `block_size - 1` candidate states (greedy)."""
+    `new` is 0), one block after the `C` positions (`newest` `(1,)` first, then masks) and, with `score`, the target's
+    output layer on all its `block_size - 1` candidate states in one call (greedy)."""
     output = drafter.output_head(vocab)
     keep = features.shape[1] - new
 
@@ -135,7 +144,20 @@ def dflash_blocks(
                 cache.crop(keep)
                 drafter.extend_cache(cache, features[:, keep:])
             states = drafter.draft(cache, newest)
-            output(states[0, 1:]).argmax(-1)
+            if score:
+                output(states[0, 1:]).argmax(-1)
+
+    return run
+
+
+def output_rows(drafter, state: torch.Tensor, steps: int, vocab: int) -> Callable[[], None]:
+    """A pass: `steps` times the target's output layer on one candidate state `(1, H)` (greedy), as
+    `DFlashProposer` scores each candidate when the engine asks for it."""
+    output = drafter.output_head(vocab)
+
+    def run() -> None:
+        for _ in range(steps):
+            output(state).argmax(-1)
 
     return run
 
@@ -210,6 +232,9 @@ def main() -> int:
     blocks = {  # name: (pass of `rounds` rounds, for a given count)
         "dflash": lambda rounds: dflash_blocks(dflash, dflash_features, newest, new, rounds, vocab),
         "dflash_draft": lambda rounds: dflash_blocks(dflash, dflash_features, newest, 0, rounds, vocab),
+        "dflash_pass": lambda rounds: dflash_blocks(
+            dflash, dflash_features, newest, new, rounds, vocab, False
+        ),
         "eagle3_catch_up": lambda rounds: head_catch_up(head, features, context, new, rounds),
     }
     runs = {
@@ -217,6 +242,7 @@ def main() -> int:
         "standalone": causal_lm_steps(standalone, context, args.steps),
         "eagle3": head_steps(head, features, context, args.steps),
         **{name: make(args.steps) for name, make in blocks.items()},
+        "output_row": output_rows(dflash, torch.zeros(1, dflash.config.hidden_size), args.steps, vocab),
     }
     best = dict.fromkeys(runs, float("inf"))
     with torch.no_grad():
@@ -236,6 +262,7 @@ def main() -> int:
         prefill["eagle3"] = min(_timed(head_steps(head, features, context, 0)) for _ in range(args.repeats))
         for name, make in blocks.items():
             prefill[name] = min(_timed(make(0)) for _ in range(args.repeats))
+    prefill["output_row"] = 0.0
     per_step = {name: (best[name] - prefill[name]) / args.steps for name in runs}
     params = {
         "target": sum(p.numel() for p in target.parameters()),
@@ -269,12 +296,23 @@ def main() -> int:
     print(
         f"  eagle3 catch-up of {new} positions {catch_up * 1e3:7.2f} ms (the head's counterpart of the extend)"
     )
-    print("  K  K head steps   block / K steps   head round (catch-up + K-1 steps)   block / round")
+    print(
+        f"  pass        {per_step['dflash_pass'] * 1e3:7.2f} ms (extend + draft, no output layer); one candidate's "
+        f"output row {per_step['output_row'] * 1e3:.2f} ms"
+    )
+    print(
+        "A round of K candidates: the head's catch-up + K - 1 steps; DFlash's pass + K rows scored one at a time "
+        "(DFlashProposer), against its whole block scored in one call"
+    )
+    print(
+        "  K  K head steps   block / K steps   head round   DFlash round   DFlash / head round   DFlash / whole block"
+    )
     for k in range(1, size):
         round_ = catch_up + (k - 1) * step
+        dflash_round = per_step["dflash_pass"] + k * per_step["output_row"]
         print(
-            f"  {k:<2} {k * step * 1e3:9.2f} ms  {block / (k * step):13.3f}    {round_ * 1e3:18.2f} ms  "
-            f"{block / round_:16.3f}"
+            f"  {k:<2} {k * step * 1e3:9.2f} ms  {block / (k * step):13.3f}    {round_ * 1e3:7.2f} ms  "
+            f"{dflash_round * 1e3:9.2f} ms  {dflash_round / round_:16.3f}  {dflash_round / block:20.3f}"
         )
     return 0
 

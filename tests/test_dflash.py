@@ -332,12 +332,38 @@ def _observed(target, ids: torch.Tensor, start: int, verified: int, candidates: 
     return TargetHidden(start, rows, candidates, accepted, verified)
 
 
+def _round(proposer: DFlashProposer, tokens: torch.Tensor, with_hidden: bool, cap: int = 10):
+    """Ask for candidates one call at a time (as the engine asks a `chained` proposer) until an empty block or
+    `cap`: the blocks, and the tokens with the candidates appended."""
+    blocks = []
+    while len(blocks) < cap:
+        block = proposer.propose_block(tokens, _greedy_request(cap - len(blocks), with_hidden))
+        if not len(block):
+            break
+        blocks.append(block)
+        tokens = torch.cat([tokens, block.tokens.view(1, -1)], dim=1)
+    return blocks, tokens
+
+
+class _CountingRows:
+    """Wraps a proposer's output layer and counts the rows it scores."""
+
+    def __init__(self, head) -> None:
+        self.head, self.rows = head, 0
+
+    def __call__(self, states: torch.Tensor) -> torch.Tensor:
+        self.rows += states.shape[0]
+        return self.head(states)
+
+
 def test_the_proposer_honours_the_block_contract():
     target = tiny_target("llama")
     _, drafter = dflash(target, block_size=4, num_layers=2)
     livelier(drafter)
     proposer = DFlashProposer(drafter, V)
     assert proposer.target_hidden_layers == LAYER_IDS and proposer.drafts_after_prefill
+    assert proposer.chained and proposer.drafts_in_one_pass
+    scored = proposer._head = _CountingRows(proposer._head)
     seq = torch.randint(0, V, (1, 10), generator=torch.Generator().manual_seed(2))
     prompt = 6
     proposer.start(seq[:, :prompt], 32, "dynamic")
@@ -353,21 +379,27 @@ def test_the_proposer_honours_the_block_contract():
         drafter.extend_cache(cache, features(target, seq[:, :prompt]))
         states = drafter.draft(cache, seq[0, prompt : prompt + 1])[0]
         logits = drafter.output_head(V)(states)
-    two = proposer.propose_block(tokens, _greedy_request(2, True))
-    assert len(two) == 2 and proposer.forwards == 1 and proposer.length == prompt
-    torch.testing.assert_close(two.hidden, states[1:3])  # row i: the state that scored candidate i
-    torch.testing.assert_close(two.q.sum(-1), torch.ones(2))
-    assert two.q.shape == (2, V) and two.tokens.tolist() == logits[1:3].argmax(-1).tolist()
-    many = proposer.propose_block(tokens, _greedy_request(10, False))  # capped by the block: 3 candidates
-    assert len(many) == 3 and many.hidden is None and many.tokens[:2].tolist() == two.tokens.tolist()
-    assert proposer.forwards == 2  # one drafter pass per block, whatever its length
+    first = proposer.propose_block(tokens, _greedy_request(2, True))
+    # one candidate per call, and only its row scored: a round the policy stops here scored one row, not three
+    assert len(first) == 1 and proposer.forwards == 1 and proposer.length == prompt and scored.rows == 1
+    torch.testing.assert_close(first.hidden, states[1:2])  # row i: the state that scored candidate i
+    torch.testing.assert_close(first.q.sum(-1), torch.ones(1))
+    assert first.q.shape == (1, V) and first.tokens.tolist() == logits[1:2].argmax(-1).tolist()
+    proposer.rollback(prompt)  # the round is over: the next call runs a new block
+    blocks, _ = _round(proposer, tokens, True)
+    # the rest of the block comes from the same pass, then an empty block: 3 candidates, 4 rows scored in all
+    assert [len(b) for b in blocks] == [1, 1, 1] and proposer.forwards == 2 and scored.rows == 4
+    torch.testing.assert_close(torch.cat([b.hidden for b in blocks]), states[1:])
+    assert torch.cat([b.tokens for b in blocks]).tolist() == logits[1:].argmax(-1).tolist()
+    without = proposer.propose_block(tokens, _greedy_request(10, False))
+    assert without.hidden is None and without.tokens.tolist() == first.tokens.tolist()
 
     # the rollback crops the context cache, every layer of it; the next block re-reads the states it dropped
     proposer.rollback(prompt - 2)
     assert proposer.length == prompt - 2
     assert all(kv[0].shape[2] == kv[1].shape[2] == prompt - 2 for kv in proposer._cache.layers)
     again = proposer.propose_block(tokens, _greedy_request(2, True))
-    torch.testing.assert_close(again.hidden, two.hidden, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(again.hidden, first.hidden, rtol=1e-5, atol=1e-6)
     assert proposer.length == prompt
     with pytest.raises(ValueError, match="rollback"):
         proposer.rollback(prompt + 1)
@@ -375,13 +407,14 @@ def test_the_proposer_honours_the_block_contract():
     # a verification of the newest token and 3 candidates, 1 accepted: 2 more verified positions
     proposer.observe_target(_observed(target, seq, prompt, prompt + 2, candidates=3, accepted=1))
     proposer.rollback(prompt)
-    after = proposer.propose_block(seq[:, : prompt + 3], _greedy_request(3, True))
+    after, _ = _round(proposer, seq[:, : prompt + 3], True)
     with torch.no_grad():
         fresh = drafter.new_cache()
         drafter.extend_cache(fresh, features(target, seq[:, : prompt + 2]))
         expected = drafter.draft(fresh, seq[0, prompt + 2 : prompt + 3])[0, 1:]
-    torch.testing.assert_close(after.hidden, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.cat([b.hidden for b in after]), expected, rtol=1e-4, atol=1e-5)
     assert proposer.length == prompt + 2
+    proposer.rollback(prompt + 2)
     with pytest.raises(ValueError, match="the target's states cover 8"):
         proposer.propose_block(seq[:, : prompt + 4], _greedy_request(3, False))
 
@@ -389,7 +422,9 @@ def test_the_proposer_honours_the_block_contract():
 def test_the_engine_counts_one_drafter_pass_per_round():
     target = tiny_target("qwen2")
     kind, drafter = dflash(target, block_size=8)
-    decoder = SpeculativeDecoder(target, kind.proposer(drafter, V), FixedLength(5), GREEDY, None, V)
+    proposer = kind.proposer(drafter, V)
+    scored = proposer._head = _CountingRows(proposer._head)
+    decoder = SpeculativeDecoder(target, proposer, FixedLength(5), GREEDY, None, V)
     prompt = [3, 1, 4, 1, 5]
     result = decoder.generate(prompt, 30)
     assert result.tokens == autoregressive(target, prompt, 30, GREEDY, None, V).tokens
@@ -398,6 +433,8 @@ def test_the_engine_counts_one_drafter_pass_per_round():
     assert stats.draft_length_hist[0] in (1, 2)  # the prefill round, and the last one when one token is left
     assert stats.draft_forwards == drafting_rounds > 1
     assert stats.drafted_tokens >= 4 * stats.draft_forwards  # most rounds drafted 5 candidates in one pass
+    # the policy's 5 of the block's 7 candidates: only the rows drafted were scored
+    assert scored.rows == stats.drafted_tokens < 7 * stats.draft_forwards
 
 
 def test_a_drafter_in_float32_drafts_on_a_bfloat16_target():

@@ -1,8 +1,8 @@
 """Lossless speculative decoding (batch size 1) and the autoregressive baseline it is measured against.
 
 One round: the proposer (`specdistill/decoding/proposers/`; a plain draft LM by default) proposes candidates
-d_1..d_k in blocks (one token per block for an autoregressive draft, a whole block from one pass for a block
-drafter, a copied span for prompt lookup), each with the distribution q_i it was drawn from; the target scores
+d_1..d_k in blocks (one token per block for an autoregressive draft or a block drafter, whose candidates all come
+from one pass, a copied span for prompt lookup), each with the distribution q_i it was drawn from; the target scores
 `[pending tokens, d_1..d_k]` in one forward pass, candidates are tested left to right and the round emits the
 accepted prefix plus one target token (the residual sample at the first rejection, or the bonus token when all are
 accepted). Sampling mode accepts d_i with probability min(1, p(d_i) / q(d_i)) and

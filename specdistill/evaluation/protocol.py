@@ -154,8 +154,8 @@ class EvalProtocol:
 
 def drafts_whole_blocks(draft: Any) -> bool:
     """Whether `draft` drafts a round's whole block in one pass (a DFlash proposer), so that verifying more of it
-    costs no drafting: a `BlockProposer` that is never `chained` (a hybrid's chaining changes by round)."""
-    return isinstance(draft, BlockProposer) and type(draft).chained is False
+    costs no drafting pass: a `BlockProposer` with `drafts_in_one_pass` (a hybrid's rounds differ, so it has not)."""
+    return isinstance(draft, BlockProposer) and draft.drafts_in_one_pass
 
 
 def head_candidates(head: AcceptanceHead, draft: Any, protocol: EvalProtocol) -> dict[str, DraftPolicy]:

@@ -9,8 +9,9 @@ not change.
 
 The engine drafts in **blocks**: `BlockProposer.propose_block` returns a `DraftBlock`, candidate tokens with the
 distribution each was drawn from, and the engine verifies the round's candidates in one target pass. A block
-drafter (DFlash) draws all of its tokens from one forward pass; prompt lookup copies them from the context (each a
-point mass); an autoregressive `Proposer` gives the logits of one next token per call and the engine drives it
+drafter (DFlash) draws all of its tokens from one forward pass, scoring and drawing each only when the engine asks
+for it (`chained`, one token per call, so a round stopped early scores no more rows); prompt lookup copies them from
+the context (each a point mass); an autoregressive `Proposer` gives the logits of one next token per call and the engine drives it
 through `ChainProposer` (`specdistill/decoding/proposers/chain.py`), whose blocks hold one token each, so a chain is
 a sequence of one-token blocks, drawn one after another. The engine asks the draft-length policy after every
 candidate of every block, in order, and ends the round at the first stop (the rest of the block is dropped), so
@@ -240,10 +241,14 @@ class BlockProposer(Drafter):
 
     Attributes:
         chained: False (default): one block per round. True: the engine asks again after every block the policy
-            did not stop, each time with the sequence extended by it (`ChainProposer`'s one-token blocks).
+            did not stop, each time with the sequence extended by it (`ChainProposer`'s one-token blocks; a DFlash
+            proposer's candidates, handed out one per call from the round's one pass).
+        drafts_in_one_pass: True when one drafting pass per round yields every candidate the round can hold, so
+            that more of them cost only their scoring (DFlash); False (default) for chains and lookup.
     """
 
     chained: bool = False
+    drafts_in_one_pass: bool = False
 
     @abc.abstractmethod
     def propose_block(self, tokens: torch.Tensor, request: BlockRequest) -> DraftBlock:
