@@ -235,9 +235,9 @@ class CostPadded(DraftPolicy):
     """`inner`'s stops, moved later for free: when `inner` stops at candidate k, drafting goes on to the most
     candidates m whose verification (`m + 1` tokens) costs the target no more than k's (`padded_length` on `cost`).
 
-    For drafters whose extra candidates cost nothing: a block drafter that drafts its whole block in one pass
-    (DFlash; `BlockProposer.drafts_in_one_pass`), where the policy only chooses how much of the block the target
-    verifies.
+    For drafters whose extra candidates cost no drafting pass, only their scoring: a block drafter that drafts its
+    whole block in one pass (DFlash; `BlockProposer.drafts_in_one_pass`), where the policy chooses how much of the
+    block the target verifies.
     On a CPU whose cost curve is not monotone (float32 here: 4 tokens cheaper than 3) a head that stops after 2
     candidates then sends 3. `inner` is asked after every candidate until it stops, so a head's product covers
     them all; the engine's bounds apply to the padded length too.
