@@ -61,6 +61,11 @@ def _all_policies(draft) -> dict[str, tuple[DraftPolicy, int]]:
         "head": (AcceptanceHeadPolicy(head, threshold=0.5), 6),
         "head_newest": (AcceptanceHeadPolicy(head, threshold=0.5, score_newest=True), 6),
         "head_proposer": (AcceptanceHeadPolicy(proposer, threshold=0.5), 6),
+        # the candidate it stops on withdrawn: tested on the row before it, no bonus token after it
+        "head_withdraw": (
+            AcceptanceHeadPolicy(proposer, threshold=0.5, min_draft_length=1, withdraw=True),
+            6,
+        ),
         # its stops moved to where verifying more costs no more (3 tokens dearer than 4 to 6): more candidates only
         "head_padded": (CostPadded(AcceptanceHeadPolicy(head, threshold=0.5), BUMPY_COST), 6),
     }
@@ -160,7 +165,9 @@ def _is_lossless(target, draft, policy: DraftPolicy, samples: int = 400) -> bool
     )
 
 
-@pytest.mark.parametrize("policy", ["fixed", "oracle", "head_candidate", "head_proposer"])
+@pytest.mark.parametrize(
+    "policy", ["fixed", "oracle", "head_candidate", "head_proposer", "head_withdraw", "head_withdraw_always"]
+)
 def test_sampling_matches_target_distribution(small_pair, policy):
     # head policies make the engine read the draft's hidden states (base model + LM head): q must not change
     hidden_size = small_pair[1].config.hidden_size
@@ -170,6 +177,13 @@ def test_sampling_matches_target_distribution(small_pair, policy):
         "head_candidate": lambda: AcceptanceHeadPolicy(AcceptanceHead(hidden_size, 1), min_draft_length=1),
         "head_proposer": lambda: AcceptanceHeadPolicy(
             AcceptanceHead(hidden_size, 1, input="proposer"), min_draft_length=1
+        ),
+        "head_withdraw": lambda: AcceptanceHeadPolicy(
+            AcceptanceHead(hidden_size, 1, input="proposer"), min_draft_length=1, withdraw=True
+        ),
+        # h = 0 stops on every candidate: each one is withdrawn and tested on the pending token's row
+        "head_withdraw_always": lambda: AcceptanceHeadPolicy(
+            AcceptanceHead(hidden_size, 1, input="proposer"), 0.0, min_draft_length=1, withdraw=True
         ),
     }
     assert _is_lossless(*small_pair, policies[policy]())

@@ -269,3 +269,65 @@ def test_grid_builds_one_policy_per_threshold_named_acceptance_head():
     assert candidate["acceptance_head_h0.5_newest"].score_newest
     assert candidate["acceptance_head_h0.3"].threshold == 0.3
     assert list(head_policy_grid(AcceptanceHead(4, 1), [0.7], True)) == ["acceptance_head_h0.7_newest"]
+
+
+def test_a_withdrawing_policy_needs_the_candidate_it_stops_on_scored():
+    assert not AcceptanceHeadPolicy(_head_with_bias(4, 0.0), score_newest=True).withdraws_stop
+    newest = AcceptanceHeadPolicy(_head_with_bias(4, 0.0), score_newest=True, withdraw=True)
+    proposer = AcceptanceHeadPolicy(_proposer_head_reading_q(4), withdraw=True)
+    assert newest.withdraws_stop and proposer.withdraws_stop
+    # the public rule leaves the newest candidate unscored: withdrawing it would act on no prediction of it
+    with pytest.raises(ValueError, match="score_newest=True"):
+        AcceptanceHeadPolicy(_head_with_bias(4, 0.0), score_newest=False, withdraw=True)
+
+
+def test_grid_adds_withdrawing_policies_where_the_newest_candidate_is_scored():
+    proposer = head_policy_grid(AcceptanceHead(4, 1, input="proposer"), [0.5], withdraw=[False, True])
+    assert list(proposer) == ["acceptance_head_h0.5", "acceptance_head_h0.5_withdraw"]
+    assert [p.withdraws_stop for p in proposer.values()] == [False, True]
+    candidate = head_policy_grid(AcceptanceHead(4, 1), [0.5], [False, True], withdraw=[False, True])
+    assert list(candidate) == [
+        "acceptance_head_h0.5",
+        "acceptance_head_h0.5_newest",
+        "acceptance_head_h0.5_newest_withdraw",
+    ]
+    with pytest.raises(ValueError, match="scores the newest candidate"):
+        head_policy_grid(AcceptanceHead(4, 1), [0.5], False, withdraw=True)
+
+
+def _proposer_head_predicting(hidden: int, logit: float) -> AcceptanceHead:
+    head = AcceptanceHead(hidden, num_blocks=1, input="proposer")
+    with torch.no_grad():
+        head.out.weight.zero_()
+        head.out.bias.fill_(logit)
+    return head
+
+
+def test_a_head_that_withdraws_every_candidate_decodes_like_the_target_one_token_per_call(engine_pair):
+    """Every candidate predicted rejected and withdrawn: each round verifies only the pending token (a plain target
+    step) and still emits the candidate when the target agrees with it, never a bonus token after it."""
+    from specdistill.decoding.engine import SpeculativeDecoder, autoregressive
+    from specdistill.decoding.sampling import SamplingConfig
+
+    target, draft = engine_pair
+    greedy = SamplingConfig(greedy=True)
+    pessimist = _proposer_head_predicting(32, -10.0)
+    withdraw = AcceptanceHeadPolicy(pessimist, threshold=0.5, min_draft_length=1, withdraw=True)
+    keep = AcceptanceHeadPolicy(pessimist, threshold=0.5, min_draft_length=1)
+    accepted = 0
+    for prompt in ([3, 1, 4], [15, 9], [7, 7, 2]):
+        reference = autoregressive(target, prompt, 20, greedy, None, 40).tokens
+        out = SpeculativeDecoder(target, draft, withdraw, greedy, None, 40, max_draft_length=8).generate(
+            prompt, 20
+        )
+        assert out.tokens == reference
+        stats = out.stats
+        assert stats.rounds == stats.generated_tokens == 20  # one token per target call
+        assert stats.rejected_tokens == 0 and stats.drafted_tokens == stats.accepted_tokens
+        accepted += stats.accepted_tokens
+        # the same stops without withdrawal send the candidate and get a bonus token after each acceptance
+        kept = SpeculativeDecoder(target, draft, keep, greedy, None, 40, max_draft_length=8).generate(
+            prompt, 20
+        )
+        assert kept.tokens == reference and kept.stats.drafted_tokens >= kept.stats.rounds - 1
+    assert accepted > 0  # withdrawn candidates the target agreed with were emitted

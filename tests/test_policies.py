@@ -155,7 +155,7 @@ def test_entropy_threshold_stops_on_spread_distribution():
 
 def test_oracle_stops_at_the_first_rejected_candidate():
     policy = Oracle()
-    assert policy.needs_oracle and policy.withdraw_rejected
+    assert policy.needs_oracle and policy.withdraws_stop
     assert not policy.should_stop(_step(will_accept=True))
     assert policy.should_stop(_step(will_accept=False))
     with pytest.raises(ValueError, match="will_accept"):

@@ -215,7 +215,7 @@ def test_proposer_receives_the_target_states_of_the_verified_positions(pair, sam
     finally:
         handle.remove()
     stats, state = result.stats, result.state
-    assert stats.rejected_tokens > 0 or policy.withdraw_rejected  # the oracle withdraws instead of rejecting
+    assert stats.rejected_tokens > 0 or policy.withdraws_stop  # the oracle withdraws instead of rejecting
     # the verification passes alone ask for hidden states (an oracle's probes do not), one observation each
     assert flags.count(True) == stats.target_forwards == len(proposer.observed)
     assert len(flags) > stats.target_forwards if policy_name == "oracle" else all(flags)

@@ -17,8 +17,10 @@ from specdistill.decoding.cost import (
     relative_cost,
     tokens_per_cost,
 )
+from specdistill.decoding.head_policy import AcceptanceHeadPolicy
 from specdistill.decoding.policies import ConfidenceThreshold, CostPadded, DraftPolicy, DraftStep, Oracle
 from specdistill.evaluation.offline import format_cost
+from specdistill.models.acceptance_head import AcceptanceHead
 from tests.test_architectures import tiny_pair
 from tests.test_engine import BUMPY_COST
 from tests.threads import one_thread_per_module  # noqa: F401  (autouse fixture)
@@ -177,5 +179,8 @@ def test_cost_padded_asks_its_policy_until_it_stops_then_drafts_on_to_the_padded
     assert _round(smooth, 6) == 1
     with pytest.raises(ValueError, match="oracle"):
         CostPadded(Oracle(), BUMPY)
+    withdrawing = AcceptanceHeadPolicy(AcceptanceHead(4, 1, input="proposer"), withdraw=True)
+    with pytest.raises(ValueError, match="withdraw=True"):
+        CostPadded(withdrawing, BUMPY)
     with pytest.raises(ValueError, match="n = 1"):
         CostPadded(ConfidenceThreshold(0.5), {2: 1.0})

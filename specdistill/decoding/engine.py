@@ -546,7 +546,7 @@ class SpeculativeDecoder:
                 # asked after every candidate (a policy may need all of them); a stop before the minimum is ignored
                 policy_stop = policy.should_stop(DraftStep(index, token, probs, hidden, will_accept))
                 policy_stop = policy_stop and index >= policy.min_draft_length
-                withdrawn = policy_stop and policy.withdraw_rejected and will_accept is False
+                withdrawn = policy_stop and policy.withdraws_stop
                 if policy_stop or index >= k_cap or token in self.eos:
                     return index, withdrawn, q_rows, probe_s, probe_length
             if not self.blocks.chained:  # one block per round

@@ -17,6 +17,12 @@ Which candidates are scored depends on `score_newest`:
 A proposer head (`AcceptanceHead.input == "proposer"`) scores candidate `index` from the state that proposed it, which
 the engine already has at step `index` without feeding anything: its decisions cover candidates `1..index` at the
 public rule's cost (`score_newest` must stay False; `scores_newest` is True).
+
+With `withdraw=True` (this project's extension) the candidate a stop lands on is *withdrawn* (`DraftPolicy.
+withdraws_stop`): the head predicted it rejected, so the target verifies only the candidates before it and tests it
+on the row the bonus token would have come from. A round whose first candidate is withdrawn costs the target one
+token's verification, as plain decoding does, and still emits that candidate if the target agrees. It needs the
+decision to cover the withdrawn candidate, so a policy that scores the newest candidate (`scores_newest`).
 """
 
 from __future__ import annotations
@@ -94,6 +100,7 @@ class AcceptanceHeadPolicy(DraftPolicy):
             so `P_acc` covers all of them; the policy's answer before the minimum is ignored.
         score_newest: score the newest candidate (engine feeds it first) instead of the public code's one-behind
             scoring; see the module docstring.
+        withdraw: withdraw the candidate a stop lands on (see the module docstring); needs `scores_newest`.
     """
 
     needs_hidden_states = True
@@ -104,6 +111,7 @@ class AcceptanceHeadPolicy(DraftPolicy):
         threshold: float = 0.5,
         min_draft_length: int = 2,
         score_newest: bool = False,
+        withdraw: bool = False,
     ) -> None:
         _check_threshold(threshold)
         _check_min_length(min_draft_length)
@@ -119,6 +127,13 @@ class AcceptanceHeadPolicy(DraftPolicy):
         self.score_newest = bool(score_newest)
         self.feed_newest = self.score_newest
         self.scores_newest = self.score_newest or head.uses_proposer
+        if withdraw and not self.scores_newest:
+            raise ValueError(
+                "withdraw=True takes out the candidate the head stops on, so the head must have scored it: the "
+                "public rule (score_newest=False) leaves the newest candidate of a candidate head unscored. Use "
+                "score_newest=True, or a proposer head."
+            )
+        self.withdraws_stop = bool(withdraw)
         self._head_device = head.out.weight.device
         self.acceptance_product = 1.0
         self.scored_probs: list[float] = []
@@ -153,19 +168,37 @@ def head_policy_grid(
     thresholds: Sequence[float],
     score_newest: bool | Sequence[bool] = False,
     min_draft_length: int = 2,
+    withdraw: bool | Sequence[bool] = False,
 ) -> dict[str, AcceptanceHeadPolicy]:
-    """One policy per threshold h and scoring mode, named `acceptance_head_h{h}` (`_newest` for `score_newest=True`).
+    """One policy per threshold h, scoring mode and withdrawal, named `acceptance_head_h{h}` (`_newest` for
+    `score_newest=True`, `_withdraw` for `withdraw=True`).
 
     The candidates a selection on validation chooses from. A proposer head always scores the newest candidate, so it
-    gets one policy per h whatever `score_newest`.
+    gets one policy per h and withdrawal whatever `score_newest`. Withdrawing policies are built only for the scoring
+    modes that score the newest candidate (see `AcceptanceHeadPolicy`).
+
+    Raises:
+        ValueError: `withdraw` asks only for withdrawing policies, but no scoring mode scores the newest candidate.
     """
     modes = [bool(score_newest)] if isinstance(score_newest, bool) else [bool(m) for m in score_newest]
     if head.uses_proposer:
         modes = [False]
+    withdrawals = [bool(withdraw)] if isinstance(withdraw, bool) else [bool(w) for w in withdraw]
+    combos = [
+        (newest, drop)
+        for newest in dict.fromkeys(modes)
+        for drop in dict.fromkeys(withdrawals)
+        if not drop or newest or head.uses_proposer
+    ]
+    if not combos:
+        raise ValueError(
+            "withdraw=True needs a head policy that scores the newest candidate: this candidate head is scored by "
+            "the public rule only (score_newest=False); add score_newest=True, or withdraw=[false, true]"
+        )
     return {
-        f"acceptance_head_h{h}{'_newest' if newest else ''}": AcceptanceHeadPolicy(
-            head, h, min_draft_length, score_newest=newest
+        f"acceptance_head_h{h}{'_newest' if newest else ''}{'_withdraw' if drop else ''}": AcceptanceHeadPolicy(
+            head, h, min_draft_length, score_newest=newest, withdraw=drop
         )
         for h in thresholds
-        for newest in dict.fromkeys(modes)
+        for newest, drop in combos
     }

@@ -20,10 +20,14 @@ Contract with the engine (`specdistill/decoding/engine.py`):
   `step.token`.
 - A policy that sets `needs_oracle` gets `step.will_accept`: whether the target will accept this candidate, computed
   honestly from the target by the engine outside the timed and counted work.
-- A policy that sets `withdraw_rejected` (extension, used by `Oracle`) may stop on a candidate it knows to be
-  rejected (`will_accept` False) and have it *withdrawn*: it is not sent to the target nor counted as drafted, and
-  the round still emits the token the target would have emitted after rejecting it (greedy: the target's argmax;
-  sampling: a sample from norm(max(0, p - q)) using that candidate's draft distribution), so output stays lossless.
+- A policy that sets `withdraws_stop` (extension: `Oracle`, and `AcceptanceHeadPolicy(withdraw=True)`) has the
+  candidate its stop lands on *withdrawn*: the target verifies the candidates before it (`k` of them, `k + 1`
+  tokens), and the withdrawn one is tested on the last of those rows, the one the bonus token would come from. If
+  the target accepts it, it is emitted and the round has no bonus token; if not, the round emits what a rejection
+  emits (greedy: the target's argmax; sampling: a sample from norm(max(0, p - q)) with that candidate's q). It is
+  the ordinary test of candidate `k + 1`, so output stays lossless whatever made the policy stop; it is counted as
+  drafted only if accepted. The oracle stops only on candidates it knows will be rejected; a head withdraws the
+  candidate it predicts rejected, saving the target one verified token.
 - `step.draft_probs` is the warped distribution the candidate was sampled from; in greedy mode (where that is
   one-hot and carries no information) it is the softmax of the draft's raw logits, i.e. the draft's confidence.
 
@@ -67,14 +71,14 @@ class DraftPolicy:
     Attributes:
         min_draft_length: fewest candidates per round (>= 1); the engine ignores `should_stop` before it. The only
             bound a policy declares: the most candidates per round is the engine's `max_draft_length`.
-        needs_hidden_states / feed_newest / needs_oracle / withdraw_rejected: see the module docstring.
+        needs_hidden_states / feed_newest / needs_oracle / withdraws_stop: see the module docstring.
     """
 
     min_draft_length: int = 1
     needs_hidden_states: bool = False
     feed_newest: bool = False
     needs_oracle: bool = False
-    withdraw_rejected: bool = False
+    withdraws_stop: bool = False
 
     def reset(self, max_draft_length: int | None = None) -> None:
         """Start a new sequence decoded under the engine's bound `max_draft_length` (None: no engine, no bound)."""
@@ -221,7 +225,7 @@ class Oracle(DraftPolicy):
     """
 
     needs_oracle = True
-    withdraw_rejected = True
+    withdraws_stop = True
 
     def should_stop(self, step: DraftStep) -> bool:
         if step.will_accept is None:
@@ -243,14 +247,16 @@ class CostPadded(DraftPolicy):
     them all; the engine's bounds apply to the padded length too.
 
     Args:
-        inner: the policy whose stops are padded (not an oracle: it withdraws candidates, padding adds them).
+        inner: the policy whose stops are padded (not an oracle, nor one that withdraws the candidate it stops on:
+            withdrawing takes a candidate out of verification, padding adds more).
         cost: relative verification cost of `n` tokens (`n = 1` costs 1), e.g. `cached_verification_cost`.
     """
 
     def __init__(self, inner: DraftPolicy, cost: dict[int, float]) -> None:
-        if inner.needs_oracle or inner.withdraw_rejected:
+        if inner.needs_oracle or inner.withdraws_stop:
             raise ValueError(
-                "CostPadded pads a policy's stop with more candidates: an oracle policy cannot be padded"
+                f"CostPadded pads a policy's stop with more candidates: {type(inner).__name__} withdraws the "
+                "candidate it stops on (an oracle, or a head policy with withdraw=True) and cannot be padded"
             )
         if not cost or 1 not in cost:
             raise ValueError(f"cost must be a relative cost table with n = 1, got {dict(cost)!r}")

@@ -5,14 +5,15 @@ with an `EvalProtocol` (the grids, splits, decoding and timing below):
 
 1. Selection, on `selection_prompts` from `selection_split` (never "test"): for each draft, the fastest
    `FixedLength(K)` over `fixed_lengths` (`best_fixed_length`, tokens/s); for each draft with an acceptance head, one
-   `AcceptanceHeadPolicy` per threshold h and scoring mode (`head_policy_grid`), and with `padding_cost` each of
-   them padded to the target's cheaper verification lengths on a whole-block drafter (`head_candidates`), the
-   fastest chosen by `select_policy`.
+   `AcceptanceHeadPolicy` per threshold h, scoring mode and withdrawal (`head_policy_grid`), and with `padding_cost`
+   each that does not withdraw padded to the target's cheaper verification lengths on a whole-block drafter
+   (`head_candidates`), the fastest chosen by `select_policy`.
 2. Test, on `test_prompts` from `split`, in one `evaluate_policies` call (configurations interleaved prompt by
    prompt): the autoregressive target, then per draft, in this order, `<draft>/fixed_k{K}` (the chosen K), the
    given training-free `policies` in their order (e.g. heuristic, confidence, entropy, oracle), and every head
-   policy of the grid, `<draft>/<draft>_acceptance_head_h{h}` (`_newest` suffix for newest-candidate scoring). Every
-   engine, in selection and test, gets the same bound `max_draft_length`.
+   policy of the grid, `<draft>/<draft>_acceptance_head_h{h}` (`_newest` suffix for newest-candidate scoring,
+   `_withdraw` for a policy that withdraws the candidate it stops on). Every engine, in selection and test, gets the
+   same bound `max_draft_length`.
    The `lookups` (prompt lookup alone, and a draft behind it: `HybridProposer`) follow the drafts with one row each,
    `<name>/fixed_k{K}` at the K chosen for them the same way. With `fit_hybrid`, a hybrid's choice of the matches
    it drafts from lookup (`HybridProposer.lookup_lengths`) is then fitted at the chosen K and its draft's K.
@@ -122,6 +123,7 @@ class EvalProtocol:
         head_thresholds: the h grid of the head policies.
         head_score_newest: candidate heads' scoring mode(s): False (public code), True, or both `[False, True]`.
         head_min_draft_length: the head policies' `min_draft_length` (enforced by the engine).
+        head_withdraw: whether a head policy withdraws the candidate it stops on: False, True, or both.
         max_draft_length: the engine's bound, most candidates per round, for every policy in selection and test.
         selection_split / split: the splits the selection / test prompts come from (`selection_split` must not be
             "test").
@@ -139,6 +141,7 @@ class EvalProtocol:
     head_thresholds: Sequence[float]
     head_score_newest: bool | Sequence[bool] = False
     head_min_draft_length: int = 2
+    head_withdraw: bool | Sequence[bool] = False
     max_draft_length: int = 20
     selection_split: str
     split: str
@@ -160,18 +163,22 @@ def drafts_whole_blocks(draft: Any) -> bool:
 
 def head_candidates(head: AcceptanceHead, draft: Any, protocol: EvalProtocol) -> dict[str, DraftPolicy]:
     """The head policies chosen from on the selection split: the h grid (`head_policy_grid`) and, with
-    `protocol.padding_cost` on a whole-block drafter, each of them padded (`<name>_padded`, its own policy state)."""
+    `protocol.padding_cost` on a whole-block drafter, each that does not withdraw padded (`<name>_padded`, its own
+    policy state)."""
     grid = functools.partial(
         head_policy_grid,
         head,
         list(protocol.head_thresholds),
         protocol.head_score_newest,
         protocol.head_min_draft_length,
+        protocol.head_withdraw,
     )
     candidates: dict[str, DraftPolicy] = dict(grid())
     if protocol.padding_cost is not None and drafts_whole_blocks(draft):
         cost = dict(protocol.padding_cost)
-        candidates.update({f"{name}_padded": CostPadded(policy, cost) for name, policy in grid().items()})
+        # a withdrawing policy takes a candidate out where padding would add some: only the others are padded
+        padded = {name: policy for name, policy in grid().items() if not policy.withdraws_stop}
+        candidates.update({f"{name}_padded": CostPadded(policy, cost) for name, policy in padded.items()})
     return candidates
 
 

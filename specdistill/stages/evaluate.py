@@ -313,6 +313,7 @@ def eval_protocol(
         head_thresholds=list(grid.thresholds),
         head_score_newest=list(score_newest) if isinstance(score_newest, list) else bool(score_newest),
         head_min_draft_length=grid.min_draft_length,
+        head_withdraw=list(grid.withdraw) if isinstance(grid.withdraw, list) else bool(grid.withdraw),
         max_draft_length=settings.max_draft_length,
         selection_split=settings.selection_split,
         split=settings.split,

@@ -521,6 +521,10 @@ class HeadPolicyGrid:
     score_newest: bool | list[bool]
     """Candidate heads: false = the public code's rule; true = score the newest candidate first; [false, true] =
     choose on the selection split. Proposer heads always score the newest candidate."""
+    withdraw: bool | list[bool]
+    """false = a stop ends drafting after the candidate it lands on (the public rule); true = that candidate is
+    withdrawn: the target verifies the ones before it and tests it on their last row, without a bonus token after it
+    (for heads that score the newest candidate); [false, true] = choose on the selection split."""
     cost_padding: bool
     """Also run every head policy padded (`CostPadded`: a stop moved to the most candidates the target verifies at no
     more cost, by its measured curve) on drafters that draft a whole block in one pass (DFlash); chosen on the
@@ -533,11 +537,11 @@ class HeadPolicyGrid:
         for h in self.thresholds:
             check_number(where, "thresholds", h, 0.0, 1.0)
         check_count(where, "min_draft_length", self.min_draft_length)
-        modes = self.score_newest if isinstance(self.score_newest, list) else [self.score_newest]
-        if not modes or not all(isinstance(mode, bool) for mode in modes):
-            raise ConfigError(
-                f"{where}.score_newest={self.score_newest!r} must be false, true or [false, true]."
-            )
+        for name in ("score_newest", "withdraw"):
+            value = getattr(self, name)
+            modes = value if isinstance(value, list) else [value]
+            if not modes or not all(isinstance(mode, bool) for mode in modes):
+                raise ConfigError(f"{where}.{name}={value!r} must be false, true or [false, true].")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -589,7 +593,7 @@ class EvaluateSettings(StageSettings):
     acceptance_draft_length: int | None
     """Also report every draft's acceptance_rate at this fixed K (AdaSPEC's alpha); null: off."""
     acceptance_head: HeadPolicyGrid
-    """The head policies' grid (a block: thresholds, min_draft_length, score_newest, cost_padding)."""
+    """The head policies' grid (a block: thresholds, min_draft_length, score_newest, withdraw, cost_padding)."""
     max_draft_length: int
     """The engine's bound for every policy."""
     prompt_lookup: PromptLookupSettings | None
