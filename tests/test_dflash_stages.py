@@ -410,13 +410,13 @@ def test_train_py_rolls_out_trains_a_head_and_evaluates_dflash_drafts(runs, tmp_
                         "evaluate.num_prompts=2", "evaluate.selection_prompts=2", "evaluate.max_new_tokens=8",
                         f"evaluate.fixed_lengths=[2,{SIZE - 1}]", "evaluate.acceptance_head.thresholds=[0.5]",
                         "evaluate.acceptance_head.min_draft_length=1", "evaluate.prompt_lookup=null",
-                        "evaluate.acceptance_head.cost_padding=true", "evaluate.acceptance_head.withdraw=[false,true]",
+                        "evaluate.acceptance_head.stops=[plain,padded,withdrawn]",
                         f"hydra.run.dir={evaluate}"]))  # fmt: skip
     baseline, by_name = evaluate_outputs(evaluate)
     assert "df/df_acceptance_head_h0.5" in by_name, list(by_name)
     # and withdrawing the candidate it stops on, never padded (padding would add back what it takes out)
-    assert "df/df_acceptance_head_h0.5_withdraw" in by_name, list(by_name)
-    assert not any(name.endswith("_withdraw_padded") for name in by_name), list(by_name)
+    assert "df/df_acceptance_head_h0.5_withdrawn" in by_name, list(by_name)
+    assert not any(name.endswith("_withdrawn_padded") for name in by_name), list(by_name)
     # the head's policy padded by the target's measured curve, on the block drafter only (chains would pay for it)
     assert "df/df_acceptance_head_h0.5_padded" in by_name, list(by_name)
     assert not any(name.endswith("_padded") for name in by_name if not name.startswith("df/")), list(by_name)

@@ -218,3 +218,37 @@ def test_ratios_and_their_text():
         "d/acceptance_head_over_best_fixed_k = 1.250",
         "d/acceptance_head_over_oracle = 0.500",
     ]
+
+
+@pytest.mark.parametrize(
+    ("stops", "expected"),
+    [
+        (["plain"], ["acceptance_head_h0.5"]),
+        (["withdrawn"], ["acceptance_head_h0.5_withdrawn"]),
+        (["plain", "padded"], ["acceptance_head_h0.5", "acceptance_head_h0.5_padded"]),
+        (
+            ["plain", "padded", "withdrawn"],
+            ["acceptance_head_h0.5", "acceptance_head_h0.5_withdrawn", "acceptance_head_h0.5_padded"],
+        ),
+    ],
+)
+def test_head_candidates_are_the_stops_asked_for_and_only_plain_stops_are_padded(
+    stops, expected, monkeypatch
+):
+    whole_block = object()  # stands for a drafter that drafts its whole block in one pass (DFlash's mark)
+    monkeypatch.setattr(protocol, "drafts_whole_blocks", lambda draft: draft is whole_block)
+    head = AcceptanceHead(8, 1, input="proposer")
+    settings = dict(fixed_lengths=[1], head_thresholds=[0.5], head_min_draft_length=1, selection_split="validation",
+                    split="test", sampling=GREEDY, max_new_tokens=4, head_stops=stops)  # fmt: skip
+    cost = {1: 1.0, 2: 1.0, 3: 1.5}
+    candidates = protocol.head_candidates(head, whole_block, EvalProtocol(**settings, padding_cost=cost))
+    assert list(candidates) == expected
+    assert [policy.withdraws_stop for policy in candidates.values()] == [
+        n.endswith("_withdrawn") for n in expected
+    ]
+    # a chain pays a step per candidate: its stops are never padded
+    chain = protocol.head_candidates(head, object(), EvalProtocol(**settings, padding_cost=cost))
+    assert list(chain) == [name for name in expected if not name.endswith("_padded")]
+    if "padded" in stops:
+        with pytest.raises(ValueError, match="padding_cost"):
+            protocol.head_candidates(head, whole_block, EvalProtocol(**settings))

@@ -283,13 +283,13 @@ def test_a_withdrawing_policy_needs_the_candidate_it_stops_on_scored():
 
 def test_grid_adds_withdrawing_policies_where_the_newest_candidate_is_scored():
     proposer = head_policy_grid(AcceptanceHead(4, 1, input="proposer"), [0.5], withdraw=[False, True])
-    assert list(proposer) == ["acceptance_head_h0.5", "acceptance_head_h0.5_withdraw"]
+    assert list(proposer) == ["acceptance_head_h0.5", "acceptance_head_h0.5_withdrawn"]
     assert [p.withdraws_stop for p in proposer.values()] == [False, True]
     candidate = head_policy_grid(AcceptanceHead(4, 1), [0.5], [False, True], withdraw=[False, True])
     assert list(candidate) == [
         "acceptance_head_h0.5",
         "acceptance_head_h0.5_newest",
-        "acceptance_head_h0.5_newest_withdraw",
+        "acceptance_head_h0.5_newest_withdrawn",
     ]
     with pytest.raises(ValueError, match="scores the newest candidate"):
         head_policy_grid(AcceptanceHead(4, 1), [0.5], False, withdraw=True)

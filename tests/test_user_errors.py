@@ -119,9 +119,8 @@ def test_out_of_range_settings_are_refused_naming_the_key():
         "evaluate.fixed_lengths=[2,30]": r"evaluate\.fixed_lengths=\[2, 30\]: each K must be an integer in \[1, "
         r"evaluate\.max_draft_length=20\]",
         "evaluate.acceptance_head.score_newest=maybe": r"evaluate\.acceptance_head\.score_newest='maybe'",
-        "evaluate.acceptance_head.withdraw=maybe": r"evaluate\.acceptance_head\.withdraw='maybe' must be false, true",
-        "evaluate.acceptance_head.cost_padding=maybe": r"evaluate\.acceptance_head\.cost_padding='maybe' must be "
-        r"true or false",
+        "evaluate.acceptance_head.stops=[plain,maybe]": r"evaluate\.acceptance_head\.stops=\['plain', 'maybe'\] must list",
+        "evaluate.acceptance_head.stops=[padded]": r"names no stop to pad: add plain",
         "rollout.backend=vlm": r"rollout\.backend='vlm' is not one of transformers, vllm",
         "evaluate.prompt_lookup.min_ngram=0": r"evaluate\.prompt_lookup\.min_ngram=0 must be an integer >= 1",
         "evaluate.prompt_lookup.min_ngram=4": r"evaluate\.prompt_lookup\.min_ngram=4 is above "

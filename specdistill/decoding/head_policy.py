@@ -171,7 +171,7 @@ def head_policy_grid(
     withdraw: bool | Sequence[bool] = False,
 ) -> dict[str, AcceptanceHeadPolicy]:
     """One policy per threshold h, scoring mode and withdrawal, named `acceptance_head_h{h}` (`_newest` for
-    `score_newest=True`, `_withdraw` for `withdraw=True`).
+    `score_newest=True`, `_withdrawn` for `withdraw=True`).
 
     The candidates a selection on validation chooses from. A proposer head always scores the newest candidate, so it
     gets one policy per h and withdrawal whatever `score_newest`. Withdrawing policies are built only for the scoring
@@ -192,11 +192,12 @@ def head_policy_grid(
     ]
     if not combos:
         raise ValueError(
-            "withdraw=True needs a head policy that scores the newest candidate: this candidate head is scored by "
-            "the public rule only (score_newest=False); add score_newest=True, or withdraw=[false, true]"
+            "withdrawn stops need a head policy that scores the newest candidate: this candidate head is scored by "
+            "the public rule only (evaluate.acceptance_head.score_newest=false); add score_newest=true, or a plain "
+            "stop (evaluate.acceptance_head.stops=[plain, withdrawn])"
         )
     return {
-        f"acceptance_head_h{h}{'_newest' if newest else ''}{'_withdraw' if drop else ''}": AcceptanceHeadPolicy(
+        f"acceptance_head_h{h}{'_newest' if newest else ''}{'_withdrawn' if drop else ''}": AcceptanceHeadPolicy(
             head, h, min_draft_length, score_newest=newest, withdraw=drop
         )
         for h in thresholds

@@ -5,15 +5,15 @@ with an `EvalProtocol` (the grids, splits, decoding and timing below):
 
 1. Selection, on `selection_prompts` from `selection_split` (never "test"): for each draft, the fastest
    `FixedLength(K)` over `fixed_lengths` (`best_fixed_length`, tokens/s); for each draft with an acceptance head, one
-   `AcceptanceHeadPolicy` per threshold h, scoring mode and withdrawal (`head_policy_grid`), and with `padding_cost`
-   each that does not withdraw padded to the target's cheaper verification lengths on a whole-block drafter
-   (`head_candidates`), the fastest chosen by `select_policy`.
+   `AcceptanceHeadPolicy` per threshold h, scoring mode and stop (`head_policy_grid`, `head_stops`: plain, withdrawn,
+   and plain stops padded to the target's cheaper verification lengths on a whole-block drafter, `head_candidates`),
+   the fastest chosen by `select_policy`.
 2. Test, on `test_prompts` from `split`, in one `evaluate_policies` call (configurations interleaved prompt by
    prompt): the autoregressive target, then per draft, in this order, `<draft>/fixed_k{K}` (the chosen K), the
    given training-free `policies` in their order (e.g. heuristic, confidence, entropy, oracle), and every head
    policy of the grid, `<draft>/<draft>_acceptance_head_h{h}` (`_newest` suffix for newest-candidate scoring,
-   `_withdraw` for a policy that withdraws the candidate it stops on). Every engine, in selection and test, gets the
-   same bound `max_draft_length`.
+   `_withdrawn` for a policy that withdraws the candidate it stops on, `_padded` for padded stops). Every engine, in
+   selection and test, gets the same bound `max_draft_length`.
    The `lookups` (prompt lookup alone, and a draft behind it: `HybridProposer`) follow the drafts with one row each,
    `<name>/fixed_k{K}` at the K chosen for them the same way. With `fit_hybrid`, a hybrid's choice of the matches
    it drafts from lookup (`HybridProposer.lookup_lengths`) is then fitted at the chosen K and its draft's K.
@@ -123,7 +123,8 @@ class EvalProtocol:
         head_thresholds: the h grid of the head policies.
         head_score_newest: candidate heads' scoring mode(s): False (public code), True, or both `[False, True]`.
         head_min_draft_length: the head policies' `min_draft_length` (enforced by the engine).
-        head_withdraw: whether a head policy withdraws the candidate it stops on: False, True, or both.
+        head_stops: what the head policies' stops do (`plain`, `withdrawn`, `padded`: `HeadPolicyGrid.stops`); a
+            padded policy needs `padding_cost`.
         max_draft_length: the engine's bound, most candidates per round, for every policy in selection and test.
         selection_split / split: the splits the selection / test prompts come from (`selection_split` must not be
             "test").
@@ -132,16 +133,16 @@ class EvalProtocol:
         repeats / selection_repeats: timed passes over the test / selection prompts.
         acceptance_draft_length: the fixed K at which every draft's `acceptance_rate` is reported (AdaSPEC's
             alpha; None: not reported).
-        padding_cost: the target's relative verification cost (`specdistill.decoding.cost`); when given, every head
-            policy on a draft that drafts a whole block in one pass also runs padded (`CostPadded`, named
-            `<policy>_padded`) among the selection's candidates. None: no padded policies.
+        padding_cost: the target's relative verification cost (`specdistill.decoding.cost`), which padded stops
+            read: with `padded` in `head_stops`, every plain head policy on a draft that drafts a whole block in one
+            pass also runs padded (`CostPadded`, named `<policy>_padded`) among the selection's candidates.
     """
 
     fixed_lengths: Sequence[int]
     head_thresholds: Sequence[float]
     head_score_newest: bool | Sequence[bool] = False
     head_min_draft_length: int = 2
-    head_withdraw: bool | Sequence[bool] = False
+    head_stops: Sequence[str] = ("plain",)
     max_draft_length: int = 20
     selection_split: str
     split: str
@@ -162,23 +163,33 @@ def drafts_whole_blocks(draft: Any) -> bool:
 
 
 def head_candidates(head: AcceptanceHead, draft: Any, protocol: EvalProtocol) -> dict[str, DraftPolicy]:
-    """The head policies chosen from on the selection split: the h grid (`head_policy_grid`) and, with
-    `protocol.padding_cost` on a whole-block drafter, each that does not withdraw padded (`<name>_padded`, its own
-    policy state)."""
+    """The head policies chosen from on the selection split: the h grid (`head_policy_grid`) with the stops of
+    `protocol.head_stops`, plain and withdrawn, and with `padded` on a whole-block drafter each plain policy padded
+    (`<name>_padded`, its own policy state).
+
+    Raises:
+        ValueError: `padded` in `head_stops` without `padding_cost` to pad by.
+    """
+    stops = set(protocol.head_stops)
+    if "padded" in stops and protocol.padding_cost is None:
+        raise ValueError(
+            "padded head stops need the target's verification cost: pass EvalProtocol(padding_cost=...)"
+        )
     grid = functools.partial(
         head_policy_grid,
         head,
         list(protocol.head_thresholds),
         protocol.head_score_newest,
         protocol.head_min_draft_length,
-        protocol.head_withdraw,
     )
-    candidates: dict[str, DraftPolicy] = dict(grid())
-    if protocol.padding_cost is not None and drafts_whole_blocks(draft):
+    withdraw = [drop for drop, stop in ((False, "plain"), (True, "withdrawn")) if stop in stops]
+    candidates: dict[str, DraftPolicy] = dict(grid(withdraw=withdraw))
+    if "padded" in stops and drafts_whole_blocks(draft):
+        # a withdrawing policy takes a candidate out where padding adds some: only plain stops are padded
         cost = dict(protocol.padding_cost)
-        # a withdrawing policy takes a candidate out where padding would add some: only the others are padded
-        padded = {name: policy for name, policy in grid().items() if not policy.withdraws_stop}
-        candidates.update({f"{name}_padded": CostPadded(policy, cost) for name, policy in padded.items()})
+        candidates.update(
+            {f"{name}_padded": CostPadded(policy, cost) for name, policy in grid(withdraw=False).items()}
+        )
     return candidates
 
 

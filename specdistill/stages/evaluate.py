@@ -85,7 +85,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
     # the target's verification cost, before decoding when the padded head policies read it (cached across runs)
     cost = (
         target_cost(target, test_prompts, settings, vocab_size)
-        if settings.acceptance_head.cost_padding
+        if "padded" in settings.acceptance_head.stops
         else None
     )
     sampling = SamplingConfig(**cfg.sampling)
@@ -278,7 +278,9 @@ def target_cost(
     lengths = sorted(len(p["prompt_ids"]) for p in prompts)
     context = max(1, lengths[len(lengths) // 2] + settings.max_new_tokens // 2)
     longest = (
-        settings.max_draft_length if settings.acceptance_head.cost_padding else max(settings.fixed_lengths)
+        settings.max_draft_length
+        if "padded" in settings.acceptance_head.stops
+        else max(settings.fixed_lengths)
     )
     return cached_verification_cost(
         target, list(range(1, longest + 2)), context, settings.cost_cache, vocab_size=vocab_size
@@ -313,7 +315,7 @@ def eval_protocol(
         head_thresholds=list(grid.thresholds),
         head_score_newest=list(score_newest) if isinstance(score_newest, list) else bool(score_newest),
         head_min_draft_length=grid.min_draft_length,
-        head_withdraw=list(grid.withdraw) if isinstance(grid.withdraw, list) else bool(grid.withdraw),
+        head_stops=list(grid.stops) if isinstance(grid.stops, list) else [grid.stops],
         max_draft_length=settings.max_draft_length,
         selection_split=settings.selection_split,
         split=settings.split,

@@ -510,6 +510,9 @@ class SequentialSettings(MeasurementSettings):
         check_count(where, "epochs", self.epochs, optional=True)
 
 
+HEAD_STOPS = ("plain", "withdrawn", "padded")  # what a head policy's stop may do to the round
+
+
 @dataclass(frozen=True, kw_only=True)
 class HeadPolicyGrid:
     """`evaluate.acceptance_head`: one policy per threshold h, stop once 1 - prod(acceptance) > h."""
@@ -521,27 +524,32 @@ class HeadPolicyGrid:
     score_newest: bool | list[bool]
     """Candidate heads: false = the public code's rule; true = score the newest candidate first; [false, true] =
     choose on the selection split. Proposer heads always score the newest candidate."""
-    withdraw: bool | list[bool]
-    """false = a stop ends drafting after the candidate it lands on (the public rule); true = that candidate is
-    withdrawn: the target verifies the ones before it and tests it on their last row, without a bonus token after it
-    (for heads that score the newest candidate); [false, true] = choose on the selection split."""
-    cost_padding: bool
-    """Also run every head policy padded (`CostPadded`: a stop moved to the most candidates the target verifies at no
-    more cost, by its measured curve) on drafters that draft a whole block in one pass (DFlash); chosen on the
-    selection split like the rest."""
+    stops: list[str]
+    """What a head policy's stop does to the round, one policy per entry, chosen on the selection split: `plain` (the
+    public rule: drafting ends after the candidate it lands on), `withdrawn` (that candidate is withdrawn: the target
+    verifies the ones before it and tests it on their last row, no bonus token after it; heads that score the newest
+    candidate), `padded` (moved to the most candidates the target verifies at no more cost, by its measured curve,
+    `CostPadded`; on drafters that draft a whole block in one pass, DFlash, beside plain or withdrawn stops)."""
 
     def __post_init__(self) -> None:
         where = "evaluate.acceptance_head"
-        if not isinstance(self.cost_padding, bool):
-            raise ConfigError(f"{where}.cost_padding={self.cost_padding!r} must be true or false.")
+        stops = self.stops if isinstance(self.stops, list) else [self.stops]
+        if not all(stop in HEAD_STOPS for stop in stops) or len(set(stops)) != len(stops):
+            raise ConfigError(
+                f"{where}.stops={self.stops!r} must list distinct values of {list(HEAD_STOPS)} (e.g. [plain, padded])."
+            )
+        if not {"plain", "withdrawn"} & set(stops):
+            raise ConfigError(
+                f"{where}.stops={self.stops!r} pads stops but names no stop to pad: add plain (e.g. [plain, padded])."
+            )
         for h in self.thresholds:
             check_number(where, "thresholds", h, 0.0, 1.0)
         check_count(where, "min_draft_length", self.min_draft_length)
-        for name in ("score_newest", "withdraw"):
-            value = getattr(self, name)
-            modes = value if isinstance(value, list) else [value]
-            if not modes or not all(isinstance(mode, bool) for mode in modes):
-                raise ConfigError(f"{where}.{name}={value!r} must be false, true or [false, true].")
+        modes = self.score_newest if isinstance(self.score_newest, list) else [self.score_newest]
+        if not modes or not all(isinstance(mode, bool) for mode in modes):
+            raise ConfigError(
+                f"{where}.score_newest={self.score_newest!r} must be false, true or [false, true]."
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -593,7 +601,7 @@ class EvaluateSettings(StageSettings):
     acceptance_draft_length: int | None
     """Also report every draft's acceptance_rate at this fixed K (AdaSPEC's alpha); null: off."""
     acceptance_head: HeadPolicyGrid
-    """The head policies' grid (a block: thresholds, min_draft_length, score_newest, withdraw, cost_padding)."""
+    """The head policies' grid (a block: thresholds, min_draft_length, score_newest, stops)."""
     max_draft_length: int
     """The engine's bound for every policy."""
     prompt_lookup: PromptLookupSettings | None
