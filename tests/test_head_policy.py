@@ -291,8 +291,9 @@ def test_grid_adds_withdrawing_policies_where_the_newest_candidate_is_scored():
         "acceptance_head_h0.5_newest",
         "acceptance_head_h0.5_newest_withdrawn",
     ]
-    with pytest.raises(ValueError, match="scores the newest candidate"):
-        head_policy_grid(AcceptanceHead(4, 1), [0.5], False, withdraw=True)
+    for withdraw in (True, [False, True]):  # asked for, and none could be built: refused, not left out
+        with pytest.raises(ValueError, match="scores the newest candidate"):
+            head_policy_grid(AcceptanceHead(4, 1), [0.5], False, withdraw=withdraw)
 
 
 def _proposer_head_predicting(hidden: int, logit: float) -> AcceptanceHead:

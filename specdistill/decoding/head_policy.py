@@ -178,7 +178,7 @@ def head_policy_grid(
     modes that score the newest candidate (see `AcceptanceHeadPolicy`).
 
     Raises:
-        ValueError: `withdraw` asks only for withdrawing policies, but no scoring mode scores the newest candidate.
+        ValueError: `withdraw` asks for withdrawing policies, but no scoring mode scores the newest candidate.
     """
     modes = [bool(score_newest)] if isinstance(score_newest, bool) else [bool(m) for m in score_newest]
     if head.uses_proposer:
@@ -190,11 +190,11 @@ def head_policy_grid(
         for drop in dict.fromkeys(withdrawals)
         if not drop or newest or head.uses_proposer
     ]
-    if not combos:
+    if True in withdrawals and not any(drop for _, drop in combos):
         raise ValueError(
             "withdrawn stops need a head policy that scores the newest candidate: this candidate head is scored by "
-            "the public rule only (evaluate.acceptance_head.score_newest=false); add score_newest=true, or a plain "
-            "stop (evaluate.acceptance_head.stops=[plain, withdrawn])"
+            "the public rule only (evaluate.acceptance_head.score_newest=false): add score_newest=true (or [false, "
+            "true]), or leave withdrawn out of evaluate.acceptance_head.stops"
         )
     return {
         f"acceptance_head_h{h}{'_newest' if newest else ''}{'_withdrawn' if drop else ''}": AcceptanceHeadPolicy(
