@@ -83,11 +83,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict:
             )
     test_prompts = tested.prompts(settings.split)[: settings.num_prompts]
     # the target's verification cost, before decoding when the padded head policies read it (cached across runs)
-    cost = (
-        target_cost(target, test_prompts, settings, vocab_size)
-        if "padded" in settings.acceptance_head.stops
-        else None
-    )
+    cost = target_cost(target, test_prompts, settings, vocab_size) if settings.acceptance_head.pads else None
     sampling = SamplingConfig(**cfg.sampling)
     if settings.offline_only and not sampling.is_greedy:
         raise ConfigError(
@@ -277,11 +273,7 @@ def target_cost(
     the output budget; read from `settings.cost_cache` when this target was measured there before."""
     lengths = sorted(len(p["prompt_ids"]) for p in prompts)
     context = max(1, lengths[len(lengths) // 2] + settings.max_new_tokens // 2)
-    longest = (
-        settings.max_draft_length
-        if "padded" in settings.acceptance_head.stops
-        else max(settings.fixed_lengths)
-    )
+    longest = settings.max_draft_length if settings.acceptance_head.pads else max(settings.fixed_lengths)
     return cached_verification_cost(
         target, list(range(1, longest + 2)), context, settings.cost_cache, vocab_size=vocab_size
     )
@@ -315,7 +307,7 @@ def eval_protocol(
         head_thresholds=list(grid.thresholds),
         head_score_newest=list(score_newest) if isinstance(score_newest, list) else bool(score_newest),
         head_min_draft_length=grid.min_draft_length,
-        head_stops=list(grid.stops) if isinstance(grid.stops, list) else [grid.stops],
+        head_stops=list(grid.stops),
         max_draft_length=settings.max_draft_length,
         selection_split=settings.selection_split,
         split=settings.split,

@@ -531,6 +531,11 @@ class HeadPolicyGrid:
     candidate), `padded` (moved to the most candidates the target verifies at no more cost, by its measured curve,
     `CostPadded`; on drafters that draft a whole block in one pass, DFlash, beside plain or withdrawn stops)."""
 
+    @property
+    def pads(self) -> bool:
+        """Whether padded stops run, which read the target's measured verification cost."""
+        return "padded" in self.stops
+
     def __post_init__(self) -> None:
         where = "evaluate.acceptance_head"
         stops = self.stops if isinstance(self.stops, list) else [self.stops]
@@ -542,6 +547,7 @@ class HeadPolicyGrid:
             raise ConfigError(
                 f"{where}.stops={self.stops!r} pads stops but names no stop to pad: add plain (e.g. [plain, padded])."
             )
+        object.__setattr__(self, "stops", list(stops))  # a single value read as a list of one, once, here
         for h in self.thresholds:
             check_number(where, "thresholds", h, 0.0, 1.0)
         check_count(where, "min_draft_length", self.min_draft_length)
